@@ -1,0 +1,254 @@
+"""plan() and Layout: grouping, alignment, caps, order, serialization, errors."""
+
+import html
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jpack
+from conftest import workload_shapes
+
+F32 = jnp.float32
+
+
+def sds(*shape, dtype=F32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_bytes=None,
+                     align_bytes=256, num_shards=1):
+  """Every rule of plan(), checked from first principles on the result."""
+  leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+  assert len(layout.slots) == len(leaves_with_path)
+  for slot, (kp, leaf) in zip(layout.slots, leaves_with_path):
+    assert slot.path == jax.tree_util.keystr(kp)
+    assert slot.shape == tuple(leaf.shape)
+    assert slot.dtype == leaf.dtype
+  seen = set()
+  first_of_group = {}
+  for b_index, bucket in enumerate(layout.buckets):
+    first_of_group.setdefault(bucket.group, b_index)
+    members = [layout.slots[j] for j in bucket.slots]
+    align = max(1, align_bytes // bucket.dtype.itemsize)
+    assert bucket.size % (align * num_shards) == 0
+    end = 0
+    for j, slot in zip(bucket.slots, members):
+      seen.add(j)
+      assert slot.bucket == b_index
+      # Never promoted: the bucket stores exactly the leaf's dtype.
+      assert np.dtype(bucket.dtype) == (np.uint32 if jax.dtypes.issubdtype(
+          slot.dtype, jax.dtypes.prng_key) else np.dtype(slot.dtype))
+      assert slot.offset % align == 0
+      assert slot.offset >= end  # no overlap, offset order
+      end = slot.offset + slot.size
+    assert end <= bucket.size
+    cap = first_bucket_bytes if (first_bucket_bytes and first_of_group[bucket.group]
+                                 == b_index) else bucket_bytes
+    if len(members) > 1:
+      assert end * bucket.dtype.itemsize <= cap
+    if max_leaves is not None:
+      assert len(members) <= max_leaves
+  assert seen == set(range(len(layout.slots)))
+
+
+def test_groups_by_dtype_and_never_promotes():
+  tree = {"a": sds(3), "b": sds(5, dtype=jnp.bfloat16), "c": sds(2, dtype=jnp.int8),
+          "d": sds(7), "e": sds(1, dtype=jnp.bfloat16)}
+  layout = jpack.plan(tree, align_bytes=4)
+  dtypes = sorted(b.dtype.name for b in layout.buckets)
+  assert dtypes == ["bfloat16", "float32", "int8"]
+  by_dtype = {b.dtype.name: {layout.slots[j].path for j in b.slots} for b in layout.buckets}
+  assert by_dtype["float32"] == {"['a']", "['d']"}
+  assert by_dtype["bfloat16"] == {"['b']", "['e']"}
+
+
+def test_alignment_and_padding_exact_offsets():
+  tree = [sds(3), sds(5), sds(1)]
+  layout = jpack.plan(tree, align_bytes=32, reverse=False)  # 8 float32 per 32 bytes
+  assert [s.offset for s in layout.slots] == [0, 8, 16]
+  assert layout.buckets[0].size == 24
+  layout = jpack.plan(tree, align_bytes=32, reverse=False, num_shards=4)
+  assert layout.buckets[0].size == 32  # multiple of 8 * 4
+
+
+def test_reverse_fills_from_the_last_leaf():
+  tree = [sds(4), sds(4), sds(4)]
+  fwd = jpack.plan(tree, align_bytes=4, reverse=False)
+  rev = jpack.plan(tree, align_bytes=4, reverse=True)
+  assert [s.offset for s in fwd.slots] == [0, 4, 8]
+  assert [s.offset for s in rev.slots] == [8, 4, 0]
+  rev = jpack.plan(tree, align_bytes=4, bucket_bytes=32)
+  assert [s.bucket for s in rev.slots] == [1, 0, 0]  # bucket 0 holds the last leaves
+
+
+def test_bucket_caps_bytes_leaves_and_first_bucket():
+  tree = [sds(4) for _ in range(10)]  # 16 bytes each
+  layout = jpack.plan(tree, align_bytes=4, bucket_bytes=40, reverse=False)
+  assert [len(b.slots) for b in layout.buckets] == [2, 2, 2, 2, 2]
+  layout = jpack.plan(tree, align_bytes=4, bucket_bytes=1000, max_leaves=3, reverse=False)
+  assert [len(b.slots) for b in layout.buckets] == [3, 3, 3, 1]
+  layout = jpack.plan(tree, align_bytes=4, bucket_bytes=64, first_bucket_bytes=16,
+                      reverse=False)
+  assert [len(b.slots) for b in layout.buckets] == [1, 4, 4, 1]
+
+
+def test_leaf_bigger_than_cap_gets_its_own_bucket():
+  tree = [sds(2), sds(100), sds(2)]
+  layout = jpack.plan(tree, align_bytes=4, bucket_bytes=64, reverse=False)
+  assert [[layout.slots[j].shape for j in b.slots] for b in layout.buckets] == [
+      [(2,)], [(100,)], [(2,)]]
+
+
+def test_group_fn_separates_labels():
+  tree = {"dense": {"kernel": sds(4, 4), "bias": sds(4)}, "norm": {"scale": sds(4)}}
+  layout = jpack.plan(tree, group_fn=lambda path, leaf: "decay" if len(leaf.shape) > 1
+                      else "no_decay")
+  assert len(layout.buckets) == 2
+  for b in layout.buckets:
+    ndims = {len(layout.slots[j].shape) for j in b.slots}
+    assert ndims == ({2} if b.group[1] == "decay" else {1})
+
+
+def test_arrays_scalars_and_shape_structs_plan_alike():
+  arrays = {"a": jnp.zeros((2, 3)), "b": np.zeros(4, np.int32), "c": 1.5, "d": True}
+  shapes = {"a": sds(2, 3), "b": sds(4, dtype=jnp.int32), "c": sds(dtype=F32),
+            "d": sds(dtype=jnp.bool_)}
+  assert jpack.plan(arrays) == jpack.plan(shapes)
+
+
+def test_empty_tree_and_none_leaves():
+  assert jpack.plan({}).buckets == ()
+  layout = jpack.plan({"a": None, "b": sds(2)})
+  assert [s.path for s in layout.slots] == ["['b']"]
+
+
+def test_layout_is_hashable_and_static_under_jit():
+  tree = {"a": jnp.ones(3), "b": jnp.ones((2, 2), jnp.int32)}
+  l1, l2 = jpack.plan(tree), jpack.plan(jax.tree.map(lambda x: x + 1, tree))
+  assert l1 == l2 and hash(l1) == hash(l2)
+  traces = []
+
+  @jax.jit
+  def f(packed):
+    traces.append(1)
+    return jax.tree.map(lambda x: x + 1, jpack.unpack(packed))
+
+  f(jpack.pack(tree, l1))
+  f(jpack.pack(tree, l2))
+  assert len(traces) == 1
+
+
+def test_json_round_trip_and_fingerprint():
+  tree = {"w": [sds(3, 3), sds(3, dtype=jnp.bfloat16)], "k": jax.random.key(0),
+          "t": (sds(dtype=jnp.int32), None)}
+  layout = jpack.plan(tree, group_fn=lambda p, x: "w" in p)
+  back = jpack.Layout.from_json(layout.to_json())
+  assert back == layout and back.fingerprint == layout.fingerprint
+  assert len(layout.fingerprint) == 16
+  assert jpack.plan(tree, bucket_bytes=1024).fingerprint != layout.fingerprint
+
+
+def test_from_json_needs_treedef_for_custom_nodes():
+  from typing import NamedTuple
+
+  class P(NamedTuple):
+    w: jax.ShapeDtypeStruct
+
+  tree = P(sds(3))
+  text = jpack.plan(tree).to_json()
+  with pytest.raises(ValueError, match="treedef="):
+    jpack.Layout.from_json(text)
+  assert jpack.Layout.from_json(text, treedef=jax.tree.structure(tree)) == jpack.plan(tree)
+  with pytest.raises(ValueError, match="format"):
+    jpack.Layout.from_json('{"format": "other"}')
+
+
+def test_fingerprint_is_stable_across_processes():
+  code = ("import jax, json, jpack;"
+          "d=json.load(open(jpack.__path__[0]+'/workloads/bert_base.json'));"
+          "t={l['path']: jax.ShapeDtypeStruct(tuple(l['shape']), l['dtype']) for l in d['leaves']};"
+          "print(jpack.plan(t).fingerprint)")
+  out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        check=True, timeout=120).stdout.strip() for _ in range(2)}
+  assert out == {jpack.plan(workload_shapes("bert_base")).fingerprint}
+
+
+def test_summary_and_html():
+  tree = {"a": sds(300), "b": sds(2, dtype=jnp.int8)}
+  layout = jpack.plan(tree)
+  text = layout.summary(leaves=True)
+  for word in ("bucket", "dtype", "leaves", "bytes", "padding", "['a']", "int8"):
+    assert word in text
+  assert "<table>" in layout._repr_html_() and html.escape("['b']") in layout._repr_html_()
+  assert str(layout) == layout.summary()
+
+
+def test_shared_workloads_obey_every_rule(workload):
+  name, tree = workload
+  for options in [dict(), dict(bucket_bytes=2**20, first_bucket_bytes=2**18, num_shards=8,
+                              max_leaves=100, align_bytes=64, reverse=False)]:
+    layout = jpack.plan(tree, **options)
+    check_invariants(layout, tree, bucket_bytes=options.get("bucket_bytes", 4 * 2**20),
+                     max_leaves=options.get("max_leaves", 512),
+                     first_bucket_bytes=options.get("first_bucket_bytes"),
+                     align_bytes=options.get("align_bytes", 256),
+                     num_shards=options.get("num_shards", 1))
+  if name == "mixed_llama_tiny":
+    assert {b.dtype.name for b in layout.buckets} == {"bfloat16", "float32"}
+
+
+_dtypes = st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint32,
+                           jnp.int32, jnp.bool_, jnp.complex64, jnp.uint8, jnp.int16])
+_shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+_trees = st.lists(st.tuples(_shapes, _dtypes), max_size=25).map(
+    lambda specs: {f"p{i}": sds(*s, dtype=d) for i, (s, d) in enumerate(specs)})
+
+
+@given(tree=_trees, bucket_bytes=st.integers(1, 600), max_leaves=st.none() | st.integers(1, 6),
+       first=st.none() | st.integers(1, 300), align=st.sampled_from([1, 2, 8, 64, 256]),
+       num_shards=st.integers(1, 8), reverse=st.booleans())
+def test_plan_rules_hold_for_random_trees(tree, bucket_bytes, max_leaves, first, align,
+                                          num_shards, reverse):
+  layout = jpack.plan(tree, bucket_bytes=bucket_bytes, max_leaves=max_leaves,
+                      first_bucket_bytes=first, align_bytes=align, num_shards=num_shards,
+                      reverse=reverse)
+  check_invariants(layout, tree, bucket_bytes=bucket_bytes, max_leaves=max_leaves,
+                   first_bucket_bytes=first, align_bytes=align, num_shards=num_shards)
+  assert jpack.Layout.from_json(layout.to_json()) == layout
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(bucket_bytes=0), "bucket_bytes must be a positive int"),
+    (dict(bucket_bytes=-5), "bucket_bytes"),
+    (dict(bucket_bytes=1.5), "bucket_bytes"),
+    (dict(first_bucket_bytes=0), "first_bucket_bytes"),
+    (dict(max_leaves=0), "max_leaves"),
+    (dict(align_bytes=3), "power of two"),
+    (dict(align_bytes=0), "align_bytes"),
+    (dict(num_shards=0), "num_shards"),
+])
+def test_invalid_options_raise_value_error(options, match):
+  with pytest.raises(ValueError, match=match):
+    jpack.plan({"a": sds(2)}, **options)
+
+
+def test_non_array_leaf_names_its_path():
+  with pytest.raises(TypeError, match=r"\['model'\]\['name'\].*str"):
+    jpack.plan({"model": {"name": "resnet", "w": sds(2)}})
+
+
+def test_float64_numpy_leaf_is_refused_not_truncated():
+  with pytest.raises(TypeError, match=r"\['x'\].*float64"):
+    jpack.plan({"x": np.zeros(3)})
+
+
+def test_group_labels_are_strings():
+  layout = jpack.plan({"x": sds(2), "y": sds(2)}, group_fn=lambda p, x: ["a", p == "['x']"])
+  assert sorted(b.group for b in layout.buckets) == [
+      ("float32", "['a', False]"), ("float32", "['a', True]")]

@@ -1,0 +1,235 @@
+"""pack / unpack: exact round trips, numpy reference contents, jit, autodiff, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jpack
+from conftest import bits, workload_shapes
+
+DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int8, np.uint8, np.int16, np.int32,
+          np.uint32, np.bool_, np.complex64]
+
+
+def random_leaf(rng, shape, dtype):
+  """Random bits of the dtype: NaNs, infs, extremes and all (bool: 0/1 only)."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return jnp.asarray(rng.integers(0, 2, shape).astype(bool))
+  raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+  return jnp.asarray(raw.view(dtype).reshape(shape))
+
+
+@st.composite
+def trees(draw):
+  specs = draw(st.lists(st.tuples(st.lists(st.integers(0, 6), max_size=3).map(tuple),
+                                  st.sampled_from(DTYPES)), max_size=20))
+  seed = draw(st.integers(0, 2**31 - 1))
+  rng = np.random.default_rng(seed)
+  leaves = [random_leaf(rng, s, d) for s, d in specs]
+  # Nest: some leaves in a list, some in a dict, some None siblings.
+  half = len(leaves) // 2
+  return {"list": leaves[:half], "dict": {f"k{i}": x for i, x in enumerate(leaves[half:])},
+          "none": None}
+
+
+def numpy_reference_buckets(tree, layout):
+  """Each bucket built independently with numpy: zeros, then each leaf's bytes copied."""
+  leaves = jax.tree.leaves(tree)
+  out = []
+  for bucket in layout.buckets:
+    ref = np.zeros(bucket.size, bucket.dtype)
+    for j in bucket.slots:
+      slot = layout.slots[j]
+      leaf = leaves[j]
+      if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+      ref[slot.offset:slot.offset + slot.size] = np.asarray(leaf).reshape(-1)
+    out.append(ref)
+  return out
+
+
+@given(tree=trees(), align=st.sampled_from([1, 4, 64, 256]),
+       bucket_bytes=st.integers(1, 400), reverse=st.booleans())
+def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket_bytes,
+                                                            reverse):
+  layout = jpack.plan(tree, align_bytes=align, bucket_bytes=bucket_bytes, reverse=reverse)
+  packed = jpack.pack(tree, layout)
+  for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
+    assert bits(got) == bits(want)  # includes zero padding
+  back = jpack.unpack(packed)
+  assert jax.tree.structure(back) == jax.tree.structure(tree)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+    assert bits(a) == bits(b)
+
+
+def test_round_trip_under_jit_with_every_edge_case():
+  tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 4),
+          "scalar": jnp.float32(2.5), "empty": jnp.zeros((0, 4)), "bool": jnp.array([True]),
+          "u32": jnp.array([2**32 - 1, 7], jnp.uint32), "bf16": jnp.array([1e38], jnp.bfloat16),
+          "i8": jnp.array([-128, 127], jnp.int8), "f16": jnp.array([65504.0], jnp.float16),
+          "none": None, "nested": [(), {}]}
+  layout = jpack.plan(tree)
+  back = jax.jit(jpack.unpack)(jax.jit(jpack.pack, static_argnums=1)(tree, layout))
+  assert jax.tree.structure(back) == jax.tree.structure(tree)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+    assert a.dtype == b.dtype and bits(a) == bits(b)
+  assert jax.random.uniform(back["key"]) == jax.random.uniform(tree["key"])
+
+
+def test_empty_tree():
+  packed = jpack.pack({})
+  assert packed.buckets == ()
+  assert jpack.unpack(packed) == {}
+
+
+def test_python_scalars_come_back_as_arrays():
+  back = jpack.unpack(jpack.pack({"lr": 0.5, "step": 3, "flag": True}))
+  assert back["lr"].dtype == jnp.float32 and float(back["lr"]) == 0.5
+  assert back["step"].dtype == jnp.int32 and int(back["step"]) == 3
+  assert back["flag"].dtype == jnp.bool_ and bool(back["flag"])
+
+
+def test_packed_is_a_pytree_of_buckets():
+  packed = jpack.pack({"a": jnp.ones(3), "b": jnp.ones(2, jnp.int8)})
+  leaves, treedef = jax.tree.flatten(packed)
+  assert len(leaves) == 2 and all(x.ndim == 1 for x in leaves)
+  doubled = jax.tree.map(lambda x: x * 2, packed)
+  assert isinstance(doubled, jpack.Packed)
+  np.testing.assert_array_equal(jpack.unpack(doubled)["a"], np.full(3, 2.0))
+  assert "Packed(" in repr(packed)
+
+
+def test_workload_round_trip(workload):
+  name, shapes = workload
+  if name in ("gpt2_small", "bert_base"):
+    shapes = dict(list(shapes.items())[:40])  # keep memory and time small
+  rng = np.random.default_rng(0)
+  tree = {k: random_leaf(rng, v.shape, v.dtype) for k, v in shapes.items()}
+  back = jpack.unpack(jax.jit(jpack.pack, static_argnums=1)(tree, jpack.plan(tree)))
+  for k in tree:
+    assert bits(back[k]) == bits(tree[k])
+
+
+# -- autodiff --------------------------------------------------------------------------
+
+
+def _loss(tree):
+  return sum(jnp.sum(jnp.sin(x) * (i + 1)) for i, x in enumerate(jax.tree.leaves(tree)))
+
+
+def test_grad_through_unpack_equals_per_leaf_grad():
+  rng = np.random.default_rng(0)
+  tree = {"a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+          "b": [jnp.asarray(rng.normal(size=7), jnp.float32)],
+          "c": jnp.asarray(rng.normal(size=4), jnp.bfloat16)}
+  layout = jpack.plan(tree, align_bytes=64)
+  packed = jpack.pack(tree, layout)
+  g_packed = jax.grad(lambda p: _loss(jpack.unpack(p)))(packed)
+  want = jax.grad(_loss)(tree)  # per-leaf reference, no jpack involved
+  got = jpack.unpack(g_packed)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
+  # Padding receives exactly zero gradient.
+  g_flat = {i: np.asarray(b, np.float32) for i, b in enumerate(g_packed.buckets)}
+  for i, bucket in enumerate(layout.buckets):
+    mask = np.ones(bucket.size, bool)
+    for j in bucket.slots:
+      s = layout.slots[j]
+      mask[s.offset:s.offset + s.size] = False
+    assert not g_flat[i][mask].any()
+
+
+def test_grad_of_pack_and_jvp_match_references():
+  tree = {"x": jnp.arange(4.0), "y": jnp.ones((2, 3))}
+  layout = jpack.plan(tree, align_bytes=4)
+  weights = [jnp.linspace(0, 1, b.size) for b in layout.buckets]
+
+  def packed_loss(t):
+    return sum(jnp.sum(w * b ** 2) for w, b in zip(weights, jpack.pack(t, layout).buckets))
+
+  got = jax.grad(packed_loss)(tree)
+  w = np.asarray(weights[0])
+  ref = {k: 2 * w[s.offset:s.offset + s.size].reshape(s.shape) * np.asarray(tree[k])
+         for k, s in zip(sorted(tree), layout.slots)}
+  for k in tree:
+    np.testing.assert_allclose(got[k], ref[k], rtol=1e-6)
+  # Forward mode: pack and unpack are linear, so the tangent is the packed tangent.
+  tangent = jax.tree.map(lambda x: jnp.full_like(x, 0.5), tree)
+  _, t_out = jax.jvp(lambda t: jpack.pack(t, layout), (tree,), (tangent,))
+  np.testing.assert_array_equal(t_out.buckets[0], jpack.pack(tangent, layout).buckets[0])
+  packed = jpack.pack(tree, layout)
+  _, t_back = jax.jvp(jpack.unpack, (packed,), (jax.tree.map(jnp.ones_like, packed),))
+  np.testing.assert_array_equal(t_back["y"], np.ones((2, 3)))
+
+
+def test_backward_of_unpack_is_one_concatenate_not_thousands_of_pads():
+  tree = {f"p{i}": jax.ShapeDtypeStruct((i % 7 + 1,), jnp.float32) for i in range(2000)}
+  layout = jpack.plan(tree, max_leaves=None)
+  packed_shape = jpack.Packed(layout.bucket_shapes(), layout)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p: _loss(jpack.unpack(p))))(packed_shape)
+  prims = [e.primitive.name for e in jaxpr.eqns]
+  assert prims.count("concatenate") == len(layout.buckets)
+  assert "pad" not in prims and "dynamic_update_slice" not in prims
+
+
+def test_integer_leaves_do_not_break_grad():
+  tree = {"w": jnp.arange(3.0), "step": jnp.int32(4)}
+  packed = jpack.pack(tree)
+  g = jax.grad(lambda p: jnp.sum(jpack.unpack(p)["w"] ** 2), allow_int=True)(packed)
+  by_dtype = {b.dtype.name: g.buckets[i] for i, b in enumerate(packed.layout.buckets)}
+  assert by_dtype["int32"].dtype == jax.dtypes.float0
+  slot = packed.layout.slots[1]  # "w" (sorted keys: step, w)
+  np.testing.assert_array_equal(by_dtype["float32"][slot.offset:slot.offset + 3],
+                                [0.0, 2.0, 4.0])
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+def test_structure_mismatch_names_missing_and_unexpected_paths():
+  layout = jpack.plan({"a": jnp.ones(2), "b": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"missing \[\"\['b'\]\"\].*unexpected \[\"\['c'\]\"\]"):
+    jpack.pack({"a": jnp.ones(2), "c": jnp.ones(2)}, layout)
+
+
+def test_shape_mismatch_names_path():
+  layout = jpack.plan({"a": {"w": jnp.ones((2, 3))}})
+  with pytest.raises(ValueError, match=r"\['a'\]\['w'\] has shape \(3, 2\).*\(2, 3\)"):
+    jpack.pack({"a": {"w": jnp.ones((3, 2))}}, layout)
+
+
+def test_dtype_mismatch_is_refused_not_cast():
+  layout = jpack.plan({"a": jnp.ones(2, jnp.bfloat16)})
+  with pytest.raises(TypeError, match=r"\['a'\] has dtype float32.*bfloat16"):
+    jpack.pack({"a": jnp.ones(2, jnp.float32)}, layout)
+  layout = jpack.plan({"n": jnp.ones(2, jnp.uint32)})
+  with pytest.raises(TypeError, match=r"\['n'\] has dtype int32.*uint32"):
+    jpack.pack({"n": jnp.ones(2, jnp.int32)}, layout)
+
+
+def test_non_array_leaf_and_bad_arguments():
+  with pytest.raises(TypeError, match=r"\['s'\].*str"):
+    jpack.pack({"s": "hello"})
+  layout = jpack.plan({"a": jax.ShapeDtypeStruct((2,), jnp.float32)})
+  with pytest.raises(TypeError, match=r"\['a'\].*ShapeDtypeStruct"):
+    jpack.pack({"a": jax.ShapeDtypeStruct((2,), jnp.float32)}, layout)
+  with pytest.raises(TypeError, match="layout and plan options"):
+    jpack.pack({"a": jnp.ones(2)}, layout, align_bytes=4)
+  with pytest.raises(TypeError, match="jpack.Layout"):
+    jpack.pack({"a": jnp.ones(2)}, "not a layout")
+  with pytest.raises(TypeError, match="expects a jpack.Packed"):
+    jpack.unpack({"a": jnp.ones(2)})
+
+
+def test_unpack_checks_bucket_shapes_and_dtypes():
+  packed = jpack.pack({"a": jnp.ones(3)})
+  with pytest.raises(ValueError, match="Bucket 0 has shape"):
+    jpack.unpack(jpack.Packed((jnp.ones(5),), packed.layout))
+  with pytest.raises(TypeError, match="Bucket 0 has dtype"):
+    jpack.unpack(jpack.Packed((packed.buckets[0].astype(jnp.bfloat16),), packed.layout))
+  with pytest.raises(ValueError, match="holds 2 buckets"):
+    jpack.unpack(jpack.Packed(packed.buckets * 2, packed.layout))

@@ -1,5 +1,12 @@
 """jpack: pack JAX pytrees into a few aligned, per-dtype flat buckets."""
 
+from jpack._collectives import Shards as Shards
+from jpack._collectives import all_gather as all_gather
+from jpack._collectives import broadcast as broadcast
+from jpack._collectives import pmean as pmean
+from jpack._collectives import psum as psum
+from jpack._collectives import reduce_scatter as reduce_scatter
+from jpack._collectives import shard as shard
 from jpack._layout import Bucket as Bucket
 from jpack._layout import Layout as Layout
 from jpack._layout import Slot as Slot
@@ -14,8 +21,15 @@ __all__ = [
     "Bucket",
     "Layout",
     "Packed",
+    "Shards",
     "Slot",
+    "all_gather",
+    "broadcast",
     "pack",
     "plan",
+    "pmean",
+    "psum",
+    "reduce_scatter",
+    "shard",
     "unpack",
 ]

@@ -1,0 +1,336 @@
+"""Collectives on packed buckets: one collective per bucket instead of one per leaf.
+
+All functions run inside `jax.shard_map` (or `jax.pmap`) over a named mesh axis. Each
+accepts a tree (packed here, unpacked on return) or a `Packed` (used as is, returned
+packed), so persistent packed training pays no packing at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jpack._layout import Layout, _dtype_name, _is_key_dtype
+from jpack._pack import Packed, pack, unpack
+
+AxisName = Any
+
+# all_gather marks its result as varying over the axis, so shard_map's replication check
+# rejects out_specs=P() for it; all_gather_invariant says what is true (every device holds
+# the same buffer) but is not re-exported by jax.lax in every version.
+try:
+  _all_gather = lax.all_gather_invariant  # type: ignore[attr-defined]
+except AttributeError:
+  from jax._src.lax.parallel import all_gather_invariant as _all_gather
+
+METHODS = ("auto", "psum", "scatter_gather")
+
+
+@jax.tree_util.register_pytree_node_class
+class Shards:
+  """This device's equal slice of every bucket of a `Packed` (ZeRO-style sharding).
+
+  Attributes:
+    buckets: tuple of 1-D arrays, bucket ``i`` of length ``layout.buckets[i].size // n``.
+    layout: the `Layout` of the full, unsharded buckets.
+  """
+
+  __slots__ = ("buckets", "layout")
+
+  def __init__(self, buckets: tuple[Any, ...], layout: Layout):
+    self.buckets = tuple(buckets)
+    self.layout = layout
+
+  def tree_flatten(self):
+    return self.buckets, self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, buckets):
+    return cls(buckets, layout)
+
+  def __repr__(self) -> str:
+    shapes = ", ".join(f"{getattr(b, 'dtype', '?')}[{','.join(map(str, getattr(b, 'shape', ())))}]"
+                       for b in self.buckets)
+    return f"Shards(layout={self.layout.fingerprint}, buckets=({shapes}))"
+
+
+# -- reductions ------------------------------------------------------------------------
+
+
+def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
+         layout: Layout | None = None, method: str = "auto", **plan_options: Any) -> Any:
+  """Sum ``tree`` over ``axis_name``, one collective per bucket.
+
+  Equal to ``jax.tree.map(lambda x: jax.lax.psum(x, axis_name), tree)``: exactly for
+  integer leaves (summed in their own dtype), to float rounding for floating leaves.
+
+  Args:
+    tree: a pytree of arrays, or a `Packed` (then nothing is packed and a `Packed` is
+      returned).
+    axis_name: the mesh / pmap axis to reduce over.
+    comm_dtype: wire and accumulation dtype of floating buckets, e.g. ``jnp.float32``
+      to accumulate bf16 gradients in f32, or ``jnp.bfloat16`` to halve the bytes sent
+      for f32 gradients. Results come back in each leaf's own dtype. Integer buckets are
+      always sent exactly.
+    layout: the `Layout` to pack with (planned from ``tree`` if omitted, with
+      ``num_shards`` set to the axis size).
+    method: ``"psum"`` (one ``lax.psum`` per bucket), ``"scatter_gather"``
+      (``psum_scatter`` + ``all_gather`` per bucket, which XLA does not merge into one
+      huge tuple all-reduce; fastest on CPU), or ``"auto"`` (scatter_gather when a
+      bucket splits evenly over the axis, else psum).
+    **plan_options: options for `jpack.plan` (only without ``layout``).
+
+  Returns:
+    The summed tree (or `Packed`), same structure and dtypes as ``tree``.
+
+  Raises:
+    TypeError: a leaf is a bool or a PRNG key (neither can be summed; cast bools to an
+      integer dtype first).
+  """
+  return _reduce(tree, axis_name, mean=False, comm_dtype=comm_dtype, layout=layout,
+                 method=method, allow_int=True, plan_options=plan_options)
+
+
+def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
+          layout: Layout | None = None, method: str = "auto", allow_int: bool = False,
+          **plan_options: Any) -> Any:
+  """Average ``tree`` over ``axis_name``, one collective per bucket.
+
+  Equal to per-leaf ``jax.lax.pmean`` for floating leaves, to float rounding. The mean
+  is divided in the wider of the leaf dtype and ``comm_dtype``.
+
+  Args:
+    tree, axis_name, comm_dtype, layout, method, **plan_options: as in `jpack.psum`.
+    allow_int: integer leaves have no exact mean in their own dtype, so they are refused
+      unless this is True; then they are summed exactly and floor-divided by the axis
+      size, keeping their dtype (exact for values equal on every device, like step
+      counters). ``jax.lax.pmean`` would instead return float32.
+
+  Returns:
+    The averaged tree (or `Packed`), same structure and dtypes as ``tree``.
+
+  Raises:
+    TypeError: an integer leaf without ``allow_int=True``, a bool leaf, or a PRNG key.
+  """
+  return _reduce(tree, axis_name, mean=True, comm_dtype=comm_dtype, layout=layout,
+                 method=method, allow_int=allow_int, plan_options=plan_options)
+
+
+def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, plan_options):
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  comm_dtype = _check_comm_dtype(comm_dtype)
+  n = _axis_size(axis_name)
+  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=n)
+  _check_reducible(packed.layout, mean=mean, allow_int=allow_int,
+                   op="pmean" if mean else "psum")
+  out = []
+  for bucket, x in zip(packed.layout.buckets, packed.buckets):
+    scatter = method == "scatter_gather" or (method == "auto" and bucket.size % n == 0
+                                             and bucket.size > 0)
+    if method == "scatter_gather" and bucket.size % n:
+      raise ValueError(f"Bucket of {bucket.size} elements does not split evenly over "
+                       f"{n} devices; plan with num_shards={n} or use method='psum'.")
+    out.append(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
+                              scatter=scatter))
+  result = Packed(tuple(out), packed.layout)
+  return result if was_packed else unpack(result)
+
+
+def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter):
+  dtype = x.dtype
+  floating = jnp.issubdtype(dtype, jnp.inexact)
+  wire = comm_dtype if (floating and comm_dtype is not None) else dtype
+  y = x.astype(wire)
+  if scatter:
+    y = lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+  else:
+    y = lax.psum(y, axis_name)
+  if mean:
+    if floating:
+      wide = jnp.promote_types(dtype, wire)
+      y = (y.astype(wide) / n).astype(dtype)
+    else:
+      y = y // n
+  y = y.astype(dtype)
+  if scatter:
+    y = _all_gather(y, axis_name, axis=0, tiled=True)
+  return y
+
+
+# -- broadcast -------------------------------------------------------------------------
+
+
+def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
+              layout: Layout | None = None, **plan_options: Any) -> Any:
+  """Give every device ``root``'s values of ``tree`` (e.g. the initial parameters).
+
+  Bit-exact for every dtype (floats travel as same-width unsigned integers, so ``-0.0``
+  and NaN payloads survive), including bools and PRNG keys.
+
+  Args:
+    tree: a pytree of arrays, or a `Packed`.
+    axis_name: the mesh / pmap axis.
+    root: index along ``axis_name`` of the device whose values win.
+    layout, **plan_options: as in `jpack.psum`.
+
+  Returns:
+    ``tree`` as it is on ``root``, on every device.
+  """
+  n = _axis_size(axis_name)
+  if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+    raise ValueError(f"root must be an int in [0, {n}) for axis {axis_name!r}, got {root!r}.")
+  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=1)
+  is_root = lax.axis_index(axis_name) == root
+  out = []
+  for x in packed.buckets:
+    dtype = x.dtype
+    if dtype == jnp.bool_:
+      bits = x.astype(jnp.uint8)
+    elif jnp.issubdtype(dtype, jnp.complexfloating):
+      bits = x  # no same-width integer type without x64; exact except for the sign of 0
+    elif jnp.issubdtype(dtype, jnp.floating):
+      bits = lax.bitcast_convert_type(x, np.dtype(f"uint{8 * np.dtype(dtype).itemsize}"))
+    else:
+      bits = x
+    summed = lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name)
+    if dtype == jnp.bool_:
+      out.append(summed.astype(jnp.bool_))
+    elif bits.dtype != dtype:
+      out.append(lax.bitcast_convert_type(summed, dtype))
+    else:
+      out.append(summed)
+  result = Packed(tuple(out), packed.layout)
+  return result if was_packed else unpack(result)
+
+
+# -- reduce-scatter / all-gather -------------------------------------------------------
+
+
+def shard(packed: Packed, axis_name: AxisName) -> Shards:
+  """This device's slice of each bucket, without communication.
+
+  Args:
+    packed: a `Packed` whose layout was planned with ``num_shards`` a multiple of the
+      axis size.
+    axis_name: the mesh / pmap axis the buckets are split over.
+
+  Returns:
+    `Shards`: bucket ``i`` sliced to ``[k * size / n, (k + 1) * size / n)`` on device k.
+  """
+  n = _axis_size(axis_name)
+  _check_shardable(packed.layout, n)
+  k = lax.axis_index(axis_name)
+  return Shards(tuple(lax.dynamic_slice_in_dim(x, k * (x.shape[0] // n), x.shape[0] // n)
+                      for x in packed.buckets), packed.layout)
+
+
+def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
+                   comm_dtype: Any = None, layout: Layout | None = None,
+                   allow_int: bool = False, **plan_options: Any) -> Shards:
+  """Sum (or average) over ``axis_name`` and keep only this device's slice of each bucket.
+
+  Args:
+    tree: a pytree of arrays, or a `Packed` planned with ``num_shards`` a multiple of
+      the axis size.
+    axis_name: the mesh / pmap axis.
+    mean: average instead of sum.
+    comm_dtype, layout, allow_int, **plan_options: as in `jpack.pmean`.
+
+  Returns:
+    `Shards` holding the reduced slices; `jpack.all_gather` reassembles them.
+  """
+  comm_dtype = _check_comm_dtype(comm_dtype)
+  n = _axis_size(axis_name)
+  packed, _ = _to_packed(tree, layout, plan_options, num_shards=n)
+  _check_shardable(packed.layout, n)
+  _check_reducible(packed.layout, mean=mean, allow_int=allow_int or not mean,
+                   op="reduce_scatter")
+  out = []
+  for x in packed.buckets:
+    dtype = x.dtype
+    floating = jnp.issubdtype(dtype, jnp.inexact)
+    wire = comm_dtype if (floating and comm_dtype is not None) else dtype
+    y = lax.psum_scatter(x.astype(wire), axis_name, scatter_dimension=0, tiled=True)
+    if mean:
+      y = (y.astype(jnp.promote_types(dtype, wire)) / n) if floating else y // n
+    out.append(y.astype(dtype))
+  return Shards(tuple(out), packed.layout)
+
+
+def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
+  """Reassemble full buckets from every device's `Shards`.
+
+  Args:
+    shards: this device's `Shards` (from `jpack.reduce_scatter` or `jpack.shard`).
+    axis_name: the mesh / pmap axis.
+
+  Returns:
+    The `Packed` with full buckets, identical on every device.
+  """
+  if not isinstance(shards, Shards):
+    raise TypeError(f"all_gather() expects jpack.Shards, got {type(shards).__name__}.")
+  return Packed(tuple(_all_gather(x, axis_name, axis=0, tiled=True)
+                      for x in shards.buckets), shards.layout)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _axis_size(axis_name: AxisName) -> int:
+  try:
+    return int(lax.axis_size(axis_name))
+  except NameError as e:
+    raise NameError(f"Axis {axis_name!r} is not bound: jpack collectives run inside "
+                    "jax.shard_map(..., mesh=...) or jax.pmap(..., axis_name=...) over "
+                    "that axis.") from e
+
+
+def _to_packed(tree, layout, plan_options, *, num_shards):
+  if isinstance(tree, Packed):
+    if layout is not None or plan_options:
+      raise TypeError("Got a Packed and a layout or plan options; a Packed carries its "
+                      "own layout. Pass one or the other.")
+    return tree, True
+  if layout is None:
+    plan_options = dict(plan_options)
+    plan_options.setdefault("num_shards", num_shards)
+  return pack(tree, layout, **plan_options), False
+
+
+def _check_comm_dtype(comm_dtype):
+  if comm_dtype is None:
+    return None
+  dtype = jnp.dtype(comm_dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"comm_dtype must be a floating dtype (e.g. jnp.bfloat16 or "
+                     f"jnp.float32), got {dtype}.")
+  return dtype
+
+
+def _check_reducible(layout: Layout, *, mean: bool, allow_int: bool, op: str) -> None:
+  for slot in layout.slots:
+    where = slot.path or "<root>"
+    if _is_key_dtype(slot.dtype):
+      raise TypeError(f"Leaf at {where} is a PRNG key ({_dtype_name(slot.dtype)}); keys "
+                      f"cannot be summed or averaged. Keep keys out of the tree given to "
+                      f"{op}, or use jpack.broadcast to share them.")
+    if slot.dtype == jnp.bool_:
+      raise TypeError(f"Leaf at {where} is bool; {op} of bools is ambiguous (count? any? "
+                      "all?). Cast it, e.g. x.astype(jnp.int32) for a count.")
+    if mean and not allow_int and jnp.issubdtype(slot.dtype, jnp.integer):
+      raise TypeError(f"Leaf at {where} has integer dtype {slot.dtype}, which has no exact "
+                      f"mean. Pass allow_int=True to floor-divide the sum (keeps the dtype),"
+                      f" cast it to a float, or keep it out of the tree.")
+
+
+def _check_shardable(layout: Layout, n: int) -> None:
+  for i, bucket in enumerate(layout.buckets):
+    if bucket.size % n:
+      raise ValueError(f"Bucket {i} has {bucket.size} elements, which do not split evenly "
+                       f"over {n} devices. Plan the layout with num_shards={n} (or a "
+                       "multiple).")

@@ -33,3 +33,5 @@ __all__ = [
     "shard",
     "unpack",
 ]
+
+from jpack import optax as optax  # noqa: E402  (after the core: it builds on it)

@@ -1,0 +1,285 @@
+"""ZeRO-1 as an optax transform: each device keeps and updates 1/N of every bucket.
+
+``update`` reduce-scatters the packed gradients (mean), runs ``inner`` on this device's
+slice of each bucket, and all-gathers the updates. Optimizer state lives only for the
+local slices, so per-device optimizer memory is ~1/N of the replicated state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jpack._collectives import Shards, _axis_size, all_gather, reduce_scatter, shard
+from jpack._layout import Layout, plan
+from jpack._pack import Packed, pack, unpack
+from jpack._transforms import Inner, Labels, _check_inner, _group_fn_for, _labelled
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedState:
+  """State of `sharded`.
+
+  A pytree (not a NamedTuple) because it carries the static `Layout` of the buckets,
+  which `gather_state` / `scatter_state` need to convert checkpoints.
+
+  Attributes:
+    inner_state: ``inner``'s state for this device's slices of the buckets. Seen from
+      outside ``shard_map`` (as global arrays), each slice-shaped leaf is the full
+      bucket, sharded over the devices.
+    layout: the static bucket `Layout` (planned with ``num_shards`` = axis size).
+  """
+
+  __slots__ = ("inner_state", "layout")
+
+  def __init__(self, inner_state: Any, layout: Layout):
+    self.inner_state = inner_state
+    self.layout = layout
+
+  def tree_flatten(self):
+    return (self.inner_state,), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, children):
+    return cls(children[0], layout)
+
+  def __repr__(self) -> str:
+    return f"ShardedState(layout={self.layout.fingerprint}, inner_state={self.inner_state!r})"
+
+
+def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: Any = None,
+            **plan_options: Any) -> optax.GradientTransformation:
+  """ZeRO-1: run ``inner`` on this device's 1/N slice of every gradient bucket.
+
+  Use inside `jax.shard_map` / `jax.pmap` over ``axis_name``, on per-device (not yet
+  averaged) gradients: do not put `allreduce` before it. ``update`` takes a tree, a
+  `jpack.Packed`, or already reduced `jpack.Shards` (skips the reduce-scatter), and
+  returns updates of the same kind (`Shards` in -> full `Packed` out).
+
+  Args:
+    inner: an elementwise optax transformation (sgd, momentum, adam, adamw, lion, a
+      chain with schedules, `jpack.optax.clip_by_global_norm(..., axis_name)`), or a dict
+      ``{label: transformation}`` with ``labels``. Transformations that need the whole
+      gradient or whole leaves (``optax.clip_by_global_norm``, lamb/lars, adafactor,
+      ``optax.masked``...) are refused with a `TypeError`, because on slices they would
+      silently compute something else.
+    axis_name: the data-parallel mesh / pmap axis.
+    labels: per-leaf labels (a tree like params, or ``params -> tree``) selecting the
+      transformation of each leaf from the dict ``inner``: masks (no weight decay on
+      biases), frozen leaves (``optax.set_to_zero()``). Each label gets its own buckets.
+    comm_dtype: wire dtype of the gradient reduce-scatter (see `jpack.psum`).
+    **plan_options: options for `jpack.plan` (``num_shards`` is set to the axis size).
+
+  Returns:
+    An `optax.GradientTransformation` whose state is a `ShardedState`.
+
+  Example:
+    >>> import optax, jpack
+    >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
+  """
+  _check_inner(inner, labels)
+  _refuse_unshardable(inner)
+
+  def layout_for(tree, n):
+    if isinstance(tree, (Packed, Shards)):
+      return tree.layout
+    return plan(tree, group_fn=_group_fn_for(tree, labels), **{**plan_options,
+                                                               "num_shards": n})
+
+  def init_fn(params):
+    n = _axis_size(axis_name)
+    layout = layout_for(params, n)
+    _check_layout(layout, n)
+    local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
+    return ShardedState(_labelled(inner, layout).init(local.buckets), layout)
+
+  def update_fn(updates, state, params=None):
+    layout = state.layout
+    if isinstance(updates, Shards):
+      grads = updates
+    else:
+      packed = updates if isinstance(updates, Packed) else pack(updates, layout)
+      grads = reduce_scatter(packed, axis_name, mean=True, comm_dtype=comm_dtype)
+    local_params = None
+    if params is not None:
+      packed_params = params if isinstance(params, Packed) else pack(params, layout)
+      local_params = shard(packed_params, axis_name).buckets
+    new, inner_state = _labelled(inner, layout).update(grads.buckets, state.inner_state,
+                                                       local_params)
+    full = all_gather(Shards(tuple(new), layout), axis_name)
+    if isinstance(updates, (Packed, Shards)):
+      return full, ShardedState(inner_state, layout)
+    return unpack(full), ShardedState(inner_state, layout)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` that also works on sharded slices.
+
+  With ``axis_name``, the norm is ``sqrt(psum(local sum of squares))`` over the axis:
+  the norm of the whole gradient when each device holds a disjoint slice (inside
+  `sharded`). Without it, identical to `optax.clip_by_global_norm`.
+
+  Args:
+    max_norm: the largest global norm allowed.
+    axis_name: the axis the gradient is sharded over, or None.
+
+  Returns:
+    A stateless `optax.GradientTransformation`.
+  """
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves = jax.tree.leaves(updates)
+    squares = sum((jnp.sum(jnp.abs(x.astype(jnp.float32)) ** 2) for x in leaves),
+                  jnp.float32(0))
+    if axis_name is not None:
+      squares = lax.psum(squares, axis_name)
+    norm = jnp.sqrt(squares)
+    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+
+def gather_state(state: ShardedState) -> Any:
+  """The state ``inner.init(params)`` would have on the full tree, from a `ShardedState`.
+
+  Call outside ``shard_map`` on the global state (each slice-shaped leaf is then a full
+  bucket, sharded over devices). Every tuple of buckets in the inner state becomes the
+  params-shaped tree; scalars (step counts) are kept. The result holds ordinary arrays
+  and is independent of the device count: save it with any checkpointer.
+
+  Args:
+    state: the global `ShardedState`.
+
+  Returns:
+    The full-tree optimizer state (for a dict ``inner``, the `optax.multi_transform`
+    state over the buckets, with each bucket tuple turned into a tree).
+  """
+  layout = state.layout
+  sizes = tuple(b.size for b in layout.buckets)
+
+  def is_buckets(x):
+    return (isinstance(x, tuple) and len(x) == len(sizes) and len(sizes) > 0 and all(
+        hasattr(a, "shape") and tuple(a.shape) == (s,) for a, s in zip(x, sizes)))
+
+  def convert(x):
+    if is_buckets(x):
+      return unpack(Packed(tuple(jnp.asarray(a) for a in x), layout))
+    return x
+
+  return jax.tree.map(convert, state.inner_state, is_leaf=lambda x: is_buckets(x) or
+                      isinstance(x, optax.MaskedNode))
+
+
+def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
+  """Inverse of `gather_state`, onto any device count.
+
+  Args:
+    tree_state: a full-tree state from `gather_state` (e.g. restored from a checkpoint
+      saved on a different number of devices).
+    like: a `ShardedState` of the new run (e.g. ``jax.eval_shape`` of its init); gives
+      the bucket layout for the new device count.
+
+  Returns:
+    A global `ShardedState` whose bucket tuples are full buckets; place it on devices
+    with the sharding of the new run's state.
+  """
+  layout = like.layout
+  params_def = layout.treedef
+
+  def is_params(x):
+    return not hasattr(x, "shape") and jax.tree.structure(x) == params_def
+
+  like_leaves = jax.tree.structure(like.inner_state)
+  converted = jax.tree.map(lambda x: pack(x, layout).buckets if is_params(x) else x,
+                           tree_state, is_leaf=lambda x: is_params(x) or
+                           isinstance(x, optax.MaskedNode))
+  if jax.tree.structure(converted) != like_leaves:
+    raise ValueError("The saved optimizer state does not match the new optimizer's state "
+                     f"structure: got {jax.tree.structure(converted)}, expected "
+                     f"{like_leaves}. Was it saved from the same inner transformation?")
+  return ShardedState(converted, layout)
+
+
+def state_bytes_per_device(state: ShardedState, num_devices: int) -> int:
+  """Bytes of optimizer state each device holds (slice-shaped leaves count 1/N)."""
+  total = 0
+  for x in jax.tree.leaves(state.inner_state):
+    nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+    total += nbytes // num_devices if x.ndim else nbytes
+  return total
+
+
+# -- refusing inner transforms that cannot run on slices -------------------------------
+
+# optax factories whose result depends on whole leaves or on the whole gradient.
+_UNSHARDABLE = {
+    "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "per_example_global_norm_clip",
+    "scale_by_trust_ratio", "lamb", "lars", "fromage", "scale_by_param_block_norm",
+    "scale_by_param_block_rms", "normalize_by_update_norm", "scale_by_factored_rms",
+    "adafactor", "sm3", "scale_by_sm3", "masked", "multi_transform", "partition", "muon",
+    "scale_by_muon", "lbfgs", "scale_by_lbfgs", "polyak_sgd", "scale_by_polyak",
+    "scale_by_zoom_linesearch", "scale_by_backtracking_linesearch", "apply_if_finite",
+    "skip_not_finite", "skip_large_updates", "centralize", "scale_by_distance_over_gradients",
+    "dog", "dowg", "scale_by_dowg", "prodigy", "scale_by_prodigy", "novograd",
+    "scale_by_novograd", "flatten", "contrib_dadapt_adamw", "dadapt_adamw",
+    "scale_by_dadapt_adam", "mechanize", "scale_by_mechanic", "cocob", "scale_by_cocob",
+}
+
+
+def _refuse_unshardable(inner: Any) -> None:
+  seen: set[int] = set()
+
+  def visit(obj: Any, depth: int) -> None:
+    if depth > 12 or id(obj) in seen:
+      return
+    seen.add(id(obj))
+    if isinstance(obj, types.FunctionType):
+      name = obj.__qualname__.split(".<locals>")[0]
+      if obj.__module__.startswith("optax") and name in _UNSHARDABLE:
+        raise TypeError(
+            f"optax.{name} cannot run inside jpack.optax.sharded: it needs whole leaves or "
+            "the whole gradient, but each device sees only a slice of each bucket, so it "
+            "would silently compute something else. Use "
+            "jpack.optax.clip_by_global_norm(max_norm, axis_name) for clipping, labels= "
+            "with a dict of transformations for masks, or jpack.optax.allreduce + the "
+            "replicated optimizer.")
+      for cell in obj.__closure__ or ():
+        try:
+          visit(cell.cell_contents, depth + 1)
+        except ValueError:  # empty cell
+          pass
+    elif isinstance(obj, (tuple, list)):
+      for item in obj:
+        visit(item, depth + 1)
+    elif isinstance(obj, Mapping):
+      for item in obj.values():
+        visit(item, depth + 1)
+    elif isinstance(obj, functools.partial):
+      visit(obj.func, depth + 1)
+
+  visit(inner, 0)
+
+
+def _check_layout(layout: Layout, n: int) -> None:
+  for i, b in enumerate(layout.buckets):
+    if b.size % n:
+      raise ValueError(f"Bucket {i} has {b.size} elements, not divisible by {n} devices; "
+                       f"plan with num_shards={n}.")

@@ -1,0 +1,23 @@
+"""optax integration: all-reduce in a chain, optimizers on flat buckets, ZeRO-1."""
+
+from jpack._sharded import ShardedState as ShardedState
+from jpack._sharded import clip_by_global_norm as clip_by_global_norm
+from jpack._sharded import gather_state as gather_state
+from jpack._sharded import scatter_state as scatter_state
+from jpack._sharded import sharded as sharded
+from jpack._sharded import state_bytes_per_device as state_bytes_per_device
+from jpack._transforms import FlatState as FlatState
+from jpack._transforms import allreduce as allreduce
+from jpack._transforms import flat as flat
+
+__all__ = [
+    "FlatState",
+    "ShardedState",
+    "allreduce",
+    "clip_by_global_norm",
+    "flat",
+    "gather_state",
+    "scatter_state",
+    "sharded",
+    "state_bytes_per_device",
+]

@@ -1,5 +1,6 @@
 """jpack: pack JAX pytrees into a few aligned, per-dtype flat buckets."""
 
+from jpack import optax as optax
 from jpack._collectives import Shards as Shards
 from jpack._collectives import all_gather as all_gather
 from jpack._collectives import broadcast as broadcast
@@ -14,6 +15,9 @@ from jpack._layout import plan as plan
 from jpack._pack import Packed as Packed
 from jpack._pack import pack as pack
 from jpack._pack import unpack as unpack
+from jpack._train import DataParallel as DataParallel
+from jpack._train import TrainState as TrainState
+from jpack._train import data_parallel as data_parallel
 
 __version__ = "0.1.0"
 
@@ -24,7 +28,11 @@ __all__ = [
     "Shards",
     "Slot",
     "all_gather",
+    "DataParallel",
+    "TrainState",
     "broadcast",
+    "data_parallel",
+    "optax",
     "pack",
     "plan",
     "pmean",
@@ -33,5 +41,3 @@ __all__ = [
     "shard",
     "unpack",
 ]
-
-from jpack import optax as optax  # noqa: E402  (after the core: it builds on it)

@@ -130,6 +130,9 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
                    op="pmean" if mean else "psum")
   out = []
   for bucket, x in zip(packed.layout.buckets, packed.buckets):
+    if bucket.size == 0:  # only zero-size leaves: nothing to scatter
+      out.append(lax.psum(x, axis_name))
+      continue
     scatter = method == "scatter_gather" or (method == "auto" and bucket.size % n == 0
                                              and bucket.size > 0)
     if method == "scatter_gather" and bucket.size % n:

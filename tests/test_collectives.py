@@ -1,0 +1,221 @@
+"""Collectives on buckets vs per-leaf jax.lax references, under shard_map and pmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jpack
+from conftest import bits
+
+N = 8
+FLOATS = [np.float32, jnp.bfloat16, np.float16]
+INTS = [np.int32, np.int8, np.uint32, np.int16]
+
+
+def mesh(n=N):
+  return jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+
+
+def per_device_tree(rng, specs, n=N):
+  """Leaves with a leading device axis: device i holds leaf[i]."""
+  out = {}
+  for i, (shape, dtype) in enumerate(specs):
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+      info = np.iinfo(dtype)
+      lo, hi = max(info.min, -50), min(info.max, 50)  # sums stay in range
+      x = rng.integers(lo, hi + 1, size=(n,) + shape).astype(dtype)
+    else:
+      x = rng.normal(size=(n,) + shape).astype(dtype)
+    out[f"leaf{i}"] = x
+  return out
+
+
+def run_shard_map(fn, tree, n=N):
+  m = mesh(n)
+  placed = jax.device_put(tree, NamedSharding(m, P("batch")))
+  body = lambda t: fn(jax.tree.map(lambda x: x[0], t))
+  return jax.jit(jax.shard_map(body, mesh=m, in_specs=P("batch"), out_specs=P()))(placed)
+
+
+def run_pmap(fn, tree):
+  out = jax.pmap(fn, axis_name="batch")(tree)
+  return jax.tree.map(lambda x: x[0], out)
+
+
+def assert_close(got, want, exact_ints=True):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if jnp.issubdtype(a.dtype, jnp.integer):
+      np.testing.assert_array_equal(a, b)
+    else:
+      tol = 1e-2 if a.dtype in (jnp.bfloat16, jnp.float16) else 1e-5
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=tol, atol=tol)
+
+
+specs_strategy = st.lists(
+    st.tuples(st.lists(st.integers(0, 5), max_size=2).map(tuple),
+              st.sampled_from(FLOATS + INTS)), min_size=1, max_size=8)
+
+
+@settings(max_examples=8, deadline=None)
+@given(specs=specs_strategy, seed=st.integers(0, 1000), method=st.sampled_from(jpack._collectives.METHODS),
+       use_pmap=st.booleans())
+def test_psum_equals_per_leaf_psum(specs, seed, method, use_pmap):
+  tree = per_device_tree(np.random.default_rng(seed), specs)
+
+  def fn(t):
+    return (jpack.psum(t, "batch", method=method, align_bytes=16),
+            jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t))
+
+  got, want = (run_pmap if use_pmap else run_shard_map)(fn, tree)
+  assert_close(got, want)
+
+
+@settings(max_examples=8, deadline=None)
+@given(specs=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=2).map(tuple),
+                                st.sampled_from(FLOATS)), min_size=1, max_size=8),
+       seed=st.integers(0, 1000), use_pmap=st.booleans(), bucket_bytes=st.integers(16, 256))
+def test_pmean_equals_per_leaf_pmean(specs, seed, use_pmap, bucket_bytes):
+  tree = per_device_tree(np.random.default_rng(seed), specs)
+
+  def fn(t):
+    return (jpack.pmean(t, "batch", bucket_bytes=bucket_bytes),
+            jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), t))
+
+  got, want = (run_pmap if use_pmap else run_shard_map)(fn, tree)
+  assert_close(got, want)
+
+
+def test_packed_input_stays_packed_and_is_reduced_per_bucket():
+  tree = per_device_tree(np.random.default_rng(0), [((3, 4), np.float32), ((5,), np.int32)])
+
+  def fn(t):
+    packed = jpack.pack(t, num_shards=N)
+    out = jpack.psum(packed, "batch")
+    assert isinstance(out, jpack.Packed) and out.layout == packed.layout
+    return jpack.unpack(out), jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t)
+
+  got, want = run_shard_map(fn, tree)
+  assert_close(got, want)
+
+
+def test_comm_dtype_f32_accumulation_for_bf16_and_bf16_wire_for_f32():
+  rng = np.random.default_rng(1)
+  tree = {"bf": rng.normal(size=(N, 64)).astype(jnp.bfloat16),
+          "f": rng.normal(size=(N, 64)).astype(np.float32)}
+
+  def fn(t):
+    return (jpack.pmean(t, "batch", comm_dtype=jnp.float32),
+            jpack.pmean(t, "batch", comm_dtype=jnp.bfloat16))
+
+  f32_wire, bf16_wire = run_shard_map(fn, tree)
+  exact = {k: np.asarray(v, np.float64).mean(0) for k, v in tree.items()}
+  assert f32_wire["bf"].dtype == jnp.bfloat16 and bf16_wire["f"].dtype == jnp.float32
+  # f32 accumulation: only the final rounding to bf16.
+  np.testing.assert_allclose(np.asarray(f32_wire["bf"], np.float64), exact["bf"],
+                             atol=np.abs(exact["bf"]).max() * 2**-8 + 1e-6)
+  # bf16 wire: the f32 values travel rounded to bf16, error bounded by bf16 precision.
+  err = np.abs(np.asarray(bf16_wire["f"], np.float64) - exact["f"]).max()
+  assert 0 < err < 0.05
+  np.testing.assert_allclose(f32_wire["f"], exact["f"], rtol=1e-5, atol=1e-6)
+
+
+def test_comm_dtype_wire_is_visible_in_compiled_program():
+  m = mesh()
+  x = jax.device_put(np.ones((N, 1024), np.float32), NamedSharding(m, P("batch")))
+  fn = lambda wire: jax.jit(jax.shard_map(
+      lambda t: jpack.psum({"x": t[0]}, "batch", comm_dtype=wire, method="psum"),
+      mesh=m, in_specs=P("batch"), out_specs=P())).lower(x).as_text()
+  assert "bf16" in fn(jnp.bfloat16) and "bf16" not in fn(None)
+
+
+def test_broadcast_is_bit_exact_for_every_dtype_and_root():
+  rng = np.random.default_rng(2)
+  tree = per_device_tree(rng, [((3,), np.float32), ((2, 2), jnp.bfloat16), ((4,), np.int8),
+                               ((2,), np.uint32), ((3,), np.float16)])
+  tree["neg_zero"] = np.full((N, 2), -0.0, np.float32)
+  tree["nan"] = np.full((N, 1), np.nan, np.float32)
+  tree["flags"] = rng.integers(0, 2, size=(N, 5)).astype(bool)
+  for root in (0, 5):
+    got = run_shard_map(lambda t: jpack.broadcast(t, "batch", root=root), tree)
+    for k in tree:
+      assert bits(got[k]) == bits(tree[k][root]), k
+
+
+def test_broadcast_prng_keys_under_pmap():
+  keys = jax.random.split(jax.random.key(0), N)
+  got = jax.pmap(lambda k: jpack.broadcast({"k": k}, "batch", root=3), axis_name="batch")(keys)
+  np.testing.assert_array_equal(jax.random.key_data(got["k"][6]), jax.random.key_data(keys[3]))
+
+
+def test_reduce_scatter_then_all_gather_equals_psum():
+  tree = per_device_tree(np.random.default_rng(3), [((7, 3), np.float32), ((5,), np.int32)])
+
+  def fn(t):
+    shards = jpack.reduce_scatter(t, "batch", align_bytes=8)
+    sizes = [b.size // N for b in shards.layout.buckets]
+    assert [s.shape[0] for s in shards.buckets] == sizes
+    return (jpack.unpack(jpack.all_gather(shards, "batch")),
+            jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t))
+
+  got, want = run_shard_map(fn, tree)
+  assert_close(got, want)
+
+
+def test_shard_takes_this_devices_slice():
+  m = mesh()
+  tree = {"x": np.arange(40, dtype=np.float32)}
+  layout = jpack.plan(tree, num_shards=N, align_bytes=4)
+
+  def fn(t):
+    s = jpack.shard(jpack.pack(t, layout), "batch")
+    return s.buckets[0]
+
+  out = jax.jit(jax.shard_map(fn, mesh=m, in_specs=P(), out_specs=P("batch")))(
+      jax.device_put(tree, NamedSharding(m, P())))
+  np.testing.assert_array_equal(out, np.asarray(jpack.pack(tree, layout).buckets[0]))
+
+
+# -- refusals --------------------------------------------------------------------------
+
+
+def _trace(fn, tree):
+  return run_shard_map(fn, tree)
+
+
+def test_mean_of_ints_is_refused_unless_asked():
+  tree = {"step": np.full((N, 1), 3, np.int32), "w": np.ones((N, 2), np.float32)}
+  with pytest.raises(TypeError, match=r"\['step'\].*allow_int=True"):
+    _trace(lambda t: jpack.pmean(t, "batch"), tree)
+  got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True), tree)
+  assert got["step"].dtype == jnp.int32 and int(got["step"][0]) == 3
+
+
+def test_bools_and_keys_are_refused_by_reductions():
+  with pytest.raises(TypeError, match=r"\['flag'\] is bool"):
+    _trace(lambda t: jpack.psum(t, "batch"), {"flag": np.ones((N, 2), bool)})
+  keys = jax.random.split(jax.random.key(0), N)
+  with pytest.raises(TypeError, match=r"\['k'\] is a PRNG key"):
+    jax.pmap(lambda k: jpack.psum({"k": k}, "batch"), axis_name="batch")(keys)
+
+
+def test_bad_arguments():
+  tree = {"w": np.ones((N, 3), np.float32)}
+  with pytest.raises(ValueError, match="comm_dtype must be a floating"):
+    _trace(lambda t: jpack.psum(t, "batch", comm_dtype=jnp.int32), tree)
+  with pytest.raises(ValueError, match="method must be one of"):
+    _trace(lambda t: jpack.psum(t, "batch", method="ring"), tree)
+  with pytest.raises(ValueError, match=r"root must be an int in \[0, 8\)"):
+    _trace(lambda t: jpack.broadcast(t, "batch", root=8), tree)
+  with pytest.raises(ValueError, match="num_shards=8"):
+    _trace(lambda t: jpack.reduce_scatter(t, "batch", num_shards=3, align_bytes=4), tree)
+  with pytest.raises(NameError, match="not bound"):
+    jpack.psum({"w": jnp.ones(2)}, "batch")

@@ -1,0 +1,139 @@
+"""jpack.optax.allreduce and flat: compose in chains, match the unpacked optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jpack
+
+N = 8
+
+
+def params0():
+  rng = np.random.default_rng(0)
+  return {"dense": {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+                    "b": jnp.zeros(4, jnp.float32)},
+          "norm": {"scale": jnp.ones(4, jnp.float32)},
+          "emb": jnp.asarray(rng.normal(size=(5, 6)), jnp.bfloat16)}
+
+
+def loss(p, x):
+  h = jnp.tanh(x @ p["emb"].astype(jnp.float32)) @ p["dense"]["w"] + p["dense"]["b"]
+  return jnp.mean((h * p["norm"]["scale"]) ** 2)
+
+
+def run(tx, steps, reduce=None, n=N):
+  """`steps` optimizer steps inside shard_map; `reduce` averages grads before `tx`."""
+  mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+  data = np.random.default_rng(1).normal(size=(n, steps, 3, 5)).astype(np.float32)
+  data = jax.device_put(data, NamedSharding(mesh, P("batch")))
+
+  def body(params, data):
+    state = tx.init(params)
+
+    def one(carry, x):
+      params, state = carry
+      g = jax.grad(loss)(params, x)
+      if reduce is not None:
+        g = reduce(g)
+      u, state = tx.update(g, state, params)
+      return (optax.apply_updates(params, u), state), None
+
+    (params, _), _ = jax.lax.scan(one, (params, state), data[0])
+    return params
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+  return f(jax.device_put(params0(), NamedSharding(mesh, P())), data)
+
+
+def per_leaf_pmean(g):
+  return jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), g)
+
+
+def assert_trees_close(a, b, tol=2e-5):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype
+    t = 2e-2 if x.dtype == jnp.bfloat16 else tol
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                               rtol=t, atol=t)
+
+
+@pytest.mark.parametrize("opt", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2),
+                                 optax.adamw(1e-2, weight_decay=0.1)])
+def test_allreduce_in_chain_matches_per_leaf_pmean(opt):
+  got = run(optax.chain(jpack.optax.allreduce("batch"), opt), 30)
+  want = run(opt, 30, reduce=per_leaf_pmean)
+  assert_trees_close(got, want)
+
+
+def test_allreduce_sum_and_bf16_wire():
+  got = run(optax.chain(jpack.optax.allreduce("batch", mean=False), optax.sgd(0.01)), 5)
+  want = run(optax.sgd(0.01), 5, reduce=lambda g: jax.tree.map(lambda x: jax.lax.psum(x, "batch"), g))
+  assert_trees_close(got, want)
+  wire = run(optax.chain(jpack.optax.allreduce("batch", comm_dtype=jnp.bfloat16),
+                         optax.sgd(0.01)), 5)
+  assert_trees_close(wire, run(optax.sgd(0.01), 5, reduce=per_leaf_pmean), tol=1e-2)
+
+
+@pytest.mark.parametrize("opt", [optax.adam(1e-2), optax.lion(1e-3),
+                                 optax.chain(optax.scale_by_adam(),
+                                             optax.scale_by_schedule(optax.cosine_decay_schedule(1e-2, 50)),
+                                             optax.scale(-1.0))])
+def test_flat_matches_the_unpacked_optimizer_over_many_steps(opt):
+  got = run(optax.chain(jpack.optax.allreduce("batch"), jpack.optax.flat(opt)), 60)
+  want = run(opt, 60, reduce=per_leaf_pmean)
+  assert_trees_close(got, want)
+
+
+def test_flat_keeps_dtypes_and_packs_the_state():
+  params = params0()
+  tx = jpack.optax.flat(optax.adam(1e-3))
+  state = tx.init(params)
+  mu = state.inner_state[0].mu
+  assert isinstance(mu, tuple) and {x.dtype for x in mu} == {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+  updates, _ = tx.update(params, state, params)
+  assert jax.tree.map(lambda x: x.dtype, updates) == jax.tree.map(lambda x: x.dtype, params)
+
+
+def test_flat_with_labels_masks_weight_decay_and_freezes():
+  labels = lambda p: {"dense": {"w": "decay", "b": "no_decay"}, "norm": {"scale": "frozen"},
+                      "emb": "decay"}
+  transforms = {"decay": optax.adamw(1e-2, weight_decay=0.5), "no_decay": optax.adam(1e-2),
+                "frozen": optax.set_to_zero()}
+  got = run(optax.chain(jpack.optax.allreduce("batch"),
+                        jpack.optax.flat(transforms, labels=labels)), 20)
+  want = run(optax.multi_transform(transforms, labels), 20, reduce=per_leaf_pmean)
+  assert_trees_close(got, want)
+  np.testing.assert_array_equal(got["norm"]["scale"], params0()["norm"]["scale"])
+
+
+def test_persistent_packed_params_with_plain_optax():
+  """Params live packed: the loss unpacks, grads arrive packed, optax updates buckets."""
+  packed = jpack.pack(params0())
+  tx = optax.adam(1e-2)
+  state = tx.init(packed)
+  x = jnp.ones((3, 5))
+  g = jax.grad(lambda p: loss(jpack.unpack(p), x))(packed)
+  assert isinstance(g, jpack.Packed)
+  u, state = tx.update(g, state, packed)
+  new = jpack.unpack(optax.apply_updates(packed, u))
+  ref_tx = optax.adam(1e-2)
+  ref_u, _ = ref_tx.update(jax.grad(loss)(params0(), x), ref_tx.init(params0()), params0())
+  assert_trees_close(new, optax.apply_updates(params0(), ref_u))
+
+
+def test_flat_errors():
+  with pytest.raises(TypeError, match="labels= is required"):
+    jpack.optax.flat({"a": optax.adam(1e-3)})
+  with pytest.raises(TypeError, match="optax.GradientTransformation"):
+    jpack.optax.flat("adam")
+  tx = jpack.optax.flat({"a": optax.adam(1e-3)}, labels=lambda p: jax.tree.map(lambda _: "b", p))
+  with pytest.raises(ValueError, match=r"labels \['b'\] have no transformation"):
+    tx.init(params0())
+  tx = jpack.optax.flat(optax.adam(1e-3), labels={"x": "a"})
+  with pytest.raises(ValueError, match="same tree structure"):
+    tx.init(params0())

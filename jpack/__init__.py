@@ -8,6 +8,7 @@ from jpack._collectives import pmean as pmean
 from jpack._collectives import psum as psum
 from jpack._collectives import reduce_scatter as reduce_scatter
 from jpack._collectives import shard as shard
+from jpack._collectives import vary as vary
 from jpack._layout import Bucket as Bucket
 from jpack._layout import Layout as Layout
 from jpack._layout import Slot as Slot
@@ -40,4 +41,5 @@ __all__ = [
     "reduce_scatter",
     "shard",
     "unpack",
+    "vary",
 ]

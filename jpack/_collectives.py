@@ -281,6 +281,31 @@ def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
                       for x in shards.buckets), shards.layout)
 
 
+def vary(tree: Any, axis_name: AxisName) -> Any:
+  """Mark replicated values as per-device ("varying") over ``axis_name``, for autodiff.
+
+  Inside `jax.shard_map`, the gradient with respect to a replicated (``P()``) input is
+  already summed over the axis: JAX inserts one ``psum`` per leaf in the backward pass.
+  That is the unpacked all-reduce jpack replaces, and a sum where a mean was meant.
+  Differentiate with respect to ``vary(params, axis)`` instead to get this device's own
+  gradient, then reduce it with `jpack.pmean` (or `jpack.optax.allreduce` / `sharded`).
+  A no-op for values already varying (e.g. under `jax.pmap`).
+
+  Args:
+    tree: a pytree of arrays (or a `Packed`).
+    axis_name: the mesh axis.
+
+  Returns:
+    ``tree`` with every leaf varying over ``axis_name``.
+  """
+  def one(x):
+    if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
+      return x
+    return lax.pcast(x, axis_name, to="varying")
+
+  return jax.tree.map(one, tree)
+
+
 # -- helpers ---------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -161,7 +162,8 @@ def gather_state(state: ShardedState) -> Any:
   """The state ``inner.init(params)`` would have on the full tree, from a `ShardedState`.
 
   Call outside ``shard_map`` on the global state (each slice-shaped leaf is then a full
-  bucket, sharded over devices). Every tuple of buckets in the inner state becomes the
+  bucket, sharded over devices); the buckets are gathered to the host first, so the
+  result lives on the default device. Every tuple of buckets in the inner state becomes the
   params-shaped tree; scalars (step counts) are kept. The result holds ordinary arrays
   and is independent of the device count: save it with any checkpointer.
 
@@ -181,11 +183,19 @@ def gather_state(state: ShardedState) -> Any:
 
   def convert(x):
     if is_buckets(x):
-      return unpack(Packed(tuple(jnp.asarray(a) for a in x), layout))
+      return unpack(Packed(tuple(jnp.asarray(_to_host(a)) for a in x), layout))
     return x
 
   return jax.tree.map(convert, state.inner_state, is_leaf=lambda x: is_buckets(x) or
                       isinstance(x, optax.MaskedNode))
+
+
+def _to_host(x: Any) -> np.ndarray:
+  """The whole value of a (possibly sharded, possibly multi-process) array, on the host."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:

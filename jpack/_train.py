@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpack._collectives import broadcast, pmean, reduce_scatter
+from jpack._collectives import broadcast, pmean, reduce_scatter, vary
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._sharded import ShardedState, sharded
@@ -107,7 +107,9 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
     def loss_of(p):
       return loss_fn(unpack(p) if packed_params else p, batch)
 
-    loss, grads = jax.value_and_grad(loss_of)(state.params)
+    # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
+    # inserted by shard_map's autodiff) until jpack reduces them in buckets.
+    loss, grads = jax.value_and_grad(loss_of)(vary(state.params, axis_name))
     if mode == "sharded":
       shards = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
       sq = sum((jnp.sum(jnp.abs(g.astype(jnp.float32)) ** 2) for g in shards.buckets),

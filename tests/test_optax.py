@@ -37,7 +37,7 @@ def run(tx, steps, reduce=None, n=N):
 
     def one(carry, x):
       params, state = carry
-      g = jax.grad(loss)(params, x)
+      g = jax.grad(loss)(jpack.vary(params, "batch"), x)  # this device's own gradient
       if reduce is not None:
         g = reduce(g)
       u, state = tx.update(g, state, params)

@@ -1,0 +1,441 @@
+"""`python -m jpack demo`: train a small MLP data-parallel in every mode and compare them.
+
+Nothing here touches JAX's backend at import time: `setup_devices` must run first so the
+demo can ask for N simulated CPU devices (``jax_num_cpu_devices``), which JAX only
+accepts before its backend starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+DEMO_MODES = ("per_leaf", "ravel", "allreduce", "sharded")  # the default comparison
+ALL_MODES = ("per_leaf", "ravel", "allreduce", "packed", "sharded")
+COMM_DTYPES = ("none", "float32", "bfloat16")
+BASELINE = "per_leaf"
+_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather)(-start)?\(")
+
+
+@dataclasses.dataclass
+class ModeResult:
+  """What one mode measured."""
+  mode: str
+  losses: list[float]           # loss of every step
+  step_ms: list[float]          # wall time of every step (the first includes compiling)
+  compile_s: float              # time of the first step: trace + compile + run
+  collectives: dict[str, int]   # collective ops in the compiled step, by kind
+  grad_bytes: int               # gradient bytes sent into the reduction per step
+  opt_state_bytes: int          # optimizer state bytes each device holds
+  test_accuracy: float
+
+  @property
+  def median_ms(self) -> float:
+    rest = self.step_ms[1:]
+    return statistics.median(rest) if rest else float("nan")
+
+  @property
+  def final_loss(self) -> float:
+    return self.losses[-1] if self.losses else float("nan")
+
+
+# -- devices and data ------------------------------------------------------------------
+
+
+def setup_devices(n: int) -> list[Any]:
+  """Ask JAX for ``n`` simulated CPU devices; return the first ``n`` CPU devices.
+
+  Must run before any JAX array exists. If the backend is already up (e.g. when called
+  from a process that used JAX), the existing devices are used when there are enough.
+  """
+  import jax
+
+  try:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:
+    pass  # backend already initialised: fall through and use what exists
+  devices = jax.devices("cpu")
+  if len(devices) < n:
+    raise RuntimeError(
+        f"The demo needs {n} CPU devices but JAX already started with {len(devices)}. "
+        "Run it in a fresh process (python -m jpack demo) or pass --devices "
+        f"{len(devices)}.")
+  return devices[:n]
+
+
+def load_digits(seed: int, test_fraction: float = 0.2):
+  """scikit-learn's bundled 8x8 digits (1797 images, no download), standardized, split."""
+  import numpy as np
+
+  try:
+    from sklearn.datasets import load_digits as _load
+  except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("The jpack demo needs scikit-learn, matplotlib and tqdm: "
+                      "pip install 'jpack[demo]'") from e
+  data = _load()
+  x = data.data.astype(np.float32)
+  y = data.target.astype(np.int32)
+  order = np.random.default_rng(seed).permutation(len(x))
+  n_test = int(round(test_fraction * len(x)))
+  test, train = order[:n_test], order[n_test:]
+  mean = x[train].mean(0)
+  std = x[train].std(0) + 1e-6  # some border pixels are always 0
+  x = (x - mean) / std
+  return x[train], y[train], x[test], y[test]
+
+
+# -- the model -------------------------------------------------------------------------
+
+
+def init_mlp(key, in_dim: int, width: int, depth: int, classes: int) -> dict:
+  """Input projection, ``depth`` residual blocks (LayerNorm -> Dense -> gelu), a head.
+
+  Each block has 4 leaves (ln scale/bias, w, b), so the tree has 4 * depth + 6 leaves:
+  many small ones, the case where per-leaf collectives hurt.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(key, depth + 2)
+
+  def dense(k, fan_in, fan_out):
+    w = jax.random.normal(k, (fan_in, fan_out), jnp.float32) * math.sqrt(2.0 / fan_in)
+    return {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
+
+  def norm(dim):
+    return {"scale": jnp.ones((dim,), jnp.float32), "bias": jnp.zeros((dim,), jnp.float32)}
+
+  params = {"embed": dense(keys[0], in_dim, width)}
+  for i in range(depth):
+    params[f"block{i:02d}"] = {"norm": norm(width), "dense": dense(keys[i + 1], width, width)}
+  params["head"] = {"norm": norm(width), "dense": dense(keys[-1], width, classes)}
+  return params
+
+
+def _layer_norm(p, x):
+  import jax.numpy as jnp
+
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / jnp.sqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def forward(params: dict, x):
+  """Logits of the MLP."""
+  import jax
+
+  h = x @ params["embed"]["w"] + params["embed"]["b"]
+  for name in sorted(k for k in params if k.startswith("block")):
+    p = params[name]
+    z = _layer_norm(p["norm"], h)
+    h = h + jax.nn.gelu(z @ p["dense"]["w"] + p["dense"]["b"])
+  z = _layer_norm(params["head"]["norm"], h)
+  return z @ params["head"]["dense"]["w"] + params["head"]["dense"]["b"]
+
+
+def loss_fn(params: dict, batch) -> Any:
+  """Mean softmax cross-entropy on one device's slice of the batch."""
+  import optax
+
+  x, y = batch
+  return optax.softmax_cross_entropy_with_integer_labels(forward(params, x), y).mean()
+
+
+# -- measuring -------------------------------------------------------------------------
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+  """Count all-reduce / reduce-scatter / all-gather ops (sync or async start) in HLO."""
+  counts = dict.fromkeys(_COLLECTIVES, 0)
+  for line in hlo_text.splitlines():
+    m = _HLO_OP.search(line)
+    if m:
+      counts[m.group(1)] += 1
+  return counts
+
+
+def grad_bytes_per_step(layout, mode: str, comm_dtype) -> int:
+  """Bytes entering the gradient reduction each step, on one device.
+
+  jpack modes send whole buckets (padding included) in ``comm_dtype`` when set (bf16
+  halves f32); the baselines send the parameters' own bytes.
+  """
+  import jax.numpy as jnp
+
+  if mode in ("per_leaf", "ravel"):
+    return layout.leaf_nbytes
+  total = 0
+  for b in layout.buckets:
+    floating = jnp.issubdtype(b.dtype, jnp.inexact)
+    wire = jnp.dtype(comm_dtype) if (floating and comm_dtype is not None) else b.dtype
+    total += b.size * wire.itemsize
+  return total
+
+
+def opt_state_bytes_per_device(opt_state, mode: str, n: int) -> int:
+  import jax
+  import jax.numpy as jnp
+
+  import jpack
+
+  if mode == "sharded":
+    return jpack.optax.state_bytes_per_device(opt_state, n)
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(opt_state))
+
+
+def compiled_hlo(dp, state, batch) -> str:
+  """The optimized HLO of the program ``dp.step`` runs.
+
+  ``dp.step`` is a thin Python wrapper around a jitted shard_map; lowering that jitted
+  function again for the same arguments hits JAX's compilation cache (no second
+  compile). If the wrapper ever stops exposing it, compile ``jax.jit(dp.step)`` instead:
+  the same program, at the cost of one more compile.
+  """
+  import jax
+
+  for cell in getattr(dp.step, "__closure__", None) or ():
+    try:
+      inner = cell.cell_contents
+    except ValueError:  # empty cell
+      continue
+    if callable(getattr(inner, "lower", None)):
+      try:
+        return inner.lower(state, batch).compile().as_text()
+      except Exception:  # noqa: BLE001 - not the step function after all: fall back
+        break
+  return jax.jit(dp.step).lower(state, batch).compile().as_text()
+
+
+def human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  raise AssertionError  # unreachable
+
+
+# -- the demo --------------------------------------------------------------------------
+
+
+def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
+        bucket_mib: float | None = None, modes: Sequence[str] = DEMO_MODES,
+        comm_dtype: str = "none", out: str | os.PathLike = "jpack-demo-out", seed: int = 0,
+        width: int = 128, depth: int = 12, lr: float = 1e-3, progress: bool = True,
+        stream=None) -> list[ModeResult]:
+  """Train the digits MLP in each mode and print the comparison; returns the results."""
+  stream = sys.stdout if stream is None else stream
+
+  def say(*a):
+    print(*a, file=stream, flush=True)
+
+  for m in modes:
+    if m not in ALL_MODES:
+      raise ValueError(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
+  if batch_size % devices:
+    raise ValueError(f"batch size {batch_size} must be divisible by devices {devices}")
+  if comm_dtype not in COMM_DTYPES:
+    raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
+
+  t_start = time.perf_counter()
+  devs = setup_devices(devices)
+  x_train, y_train, x_test, y_test = load_digits(seed)  # before JAX work: clear error first
+  _check_plot_deps()
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import jpack
+
+  wire = {"none": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[comm_dtype]
+  mesh = jax.sharding.Mesh(np.array(devs), ("batch",),
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.P("batch"))
+  plan_options = {} if bucket_mib is None else {"bucket_bytes": max(1, int(bucket_mib * 2**20))}
+
+  params0 = init_mlp(jax.random.key(seed), x_train.shape[1], width, depth, 10)
+  n_params = sum(x.size for x in jax.tree.leaves(params0))
+  say(f"jpack demo: {len(x_train)} train / {len(x_test)} test digits (8x8), "
+      f"MLP {x_train.shape[1]}-{width}x{depth}-10 with {len(jax.tree.leaves(params0))} "
+      f"leaves, {n_params:,} params; {devices} simulated CPU devices, global batch "
+      f"{batch_size} ({batch_size // devices}/device), {steps} steps, "
+      f"comm dtype {comm_dtype}")
+
+  # Every mode sees the same batches, so the loss curves are comparable.
+  rng = np.random.default_rng(seed)
+  batch_idx = [rng.choice(len(x_train), batch_size, replace=False) for _ in range(steps)]
+  predict = jax.jit(forward)
+
+  results = []
+  for i, mode in enumerate(modes):
+    dp = jpack.data_parallel(loss_fn, optax.adamw(lr, weight_decay=1e-4), params0, mesh,
+                             mode=mode, comm_dtype=wire, **plan_options)
+    if i == 0:
+      say("\nParameter layout (jpack.plan):")
+      say(dp.layout.summary())
+      say("")
+    state = dp.init(params0)
+    losses, times = [], []
+    bar = _progress(steps, mode, progress, say)
+    batch = None
+    for step in range(steps):
+      idx = batch_idx[step]
+      batch = jax.device_put((x_train[idx], y_train[idx]), batch_sharding)
+      jax.block_until_ready(batch)
+      t0 = time.perf_counter()
+      state, metrics = dp.step(state, batch)
+      jax.block_until_ready((state, metrics))
+      dt = time.perf_counter() - t0
+      loss = float(metrics["loss"])
+      losses.append(loss)
+      times.append(dt * 1e3)
+      bar.update(step, loss, dt * 1e3)
+    bar.close()
+
+    hlo = compiled_hlo(dp, state, batch)
+    logits = predict(dp.params(state), x_test)
+    accuracy = float((np.asarray(logits).argmax(-1) == y_test).mean())
+    results.append(ModeResult(
+        mode=mode, losses=losses, step_ms=times, compile_s=times[0] / 1e3,
+        collectives=count_collectives(hlo),
+        grad_bytes=grad_bytes_per_step(dp.layout, mode, wire),
+        opt_state_bytes=opt_state_bytes_per_device(state.opt_state, mode, devices),
+        test_accuracy=accuracy))
+
+  say("")
+  say(format_table(results))
+  out_dir = pathlib.Path(out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  png = plot(results, out_dir / "jpack-demo.png",
+             title=f"jpack demo: digits MLP, {devices} CPU devices, batch {batch_size}")
+  (out_dir / "results.json").write_text(json.dumps(
+      {"devices": devices, "steps": steps, "batch_size": batch_size,
+       "comm_dtype": comm_dtype, "bucket_bytes": plan_options.get("bucket_bytes"),
+       "results": [{**dataclasses.asdict(r), "median_ms": r.median_ms,
+                    "final_loss": r.final_loss} for r in results]}, indent=1))
+  say(f"\nWrote {png} and {out_dir / 'results.json'} "
+      f"(total {time.perf_counter() - t_start:.1f} s)")
+  return results
+
+
+def format_table(results: Sequence[ModeResult]) -> str:
+  """The comparison table (plain text, aligned)."""
+  base = next((r for r in results if r.mode == BASELINE), results[0] if results else None)
+  header = ("mode", "step ms (median)", f"vs {base.mode if base else BASELINE}", "compile s",
+            "collectives (AR/RS/AG)", "grad bytes/step", "opt state/device", "final loss",
+            "test acc")
+  rows = []
+  for r in results:
+    c = r.collectives
+    speed = base.median_ms / r.median_ms if base and r.median_ms > 0 else float("nan")
+    rows.append((r.mode, f"{r.median_ms:.2f}", f"{speed:.2f}x", f"{r.compile_s:.2f}",
+                 f"{sum(c.values())} ({c['all-reduce']}/{c['reduce-scatter']}/"
+                 f"{c['all-gather']})",
+                 human_bytes(r.grad_bytes), human_bytes(r.opt_state_bytes),
+                 f"{r.final_loss:.4f}", f"{r.test_accuracy:.3f}"))
+  widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+
+  def line(cells):
+    return " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(cells, widths)))
+
+  sep = "-+-".join("-" * w for w in widths)
+  notes = ("step ms: median wall time per step, first (compiling) step excluded; "
+           "compile s: the first step.\n"
+           "collectives: ops in the compiled step (all-reduce / reduce-scatter / all-gather), "
+           "including the scalar loss mean.")
+  return "\n".join([line(header), sep, *(line(r) for r in rows), "", notes])
+
+
+# -- progress and plot -----------------------------------------------------------------
+
+
+class _Progress:
+  def __init__(self, total, mode, enabled, say):
+    self.total, self.mode, self.say = total, mode, say
+    self.bar = None
+    self.every = max(1, total // 10)
+    if not enabled:
+      self.every = 0
+      return
+    try:
+      from tqdm.auto import tqdm
+    except ImportError:
+      tqdm = None
+    if tqdm is not None:
+      self.bar = tqdm(total=total, desc=f"{mode:>9}", unit="step", leave=True,
+                      dynamic_ncols=True, file=sys.stderr)
+
+  def update(self, step, loss, ms):
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{loss:.4f}", ms=f"{ms:.1f}", refresh=False)
+      self.bar.update(1)
+    elif self.every and ((step + 1) % self.every == 0 or step == 0):
+      self.say(f"{self.mode:>9} step {step + 1:>5}/{self.total}  loss {loss:.4f}  "
+               f"{ms:8.1f} ms")
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _progress(total, mode, enabled, say):
+  return _Progress(total, mode, enabled, say)
+
+
+def _check_plot_deps():
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("The jpack demo needs scikit-learn, matplotlib and tqdm: "
+                      "pip install 'jpack[demo]'") from e
+
+
+def plot(results: Sequence[ModeResult], path: pathlib.Path, title: str = "") -> pathlib.Path:
+  """Loss curves per mode (left) and median step time per mode (right) as a PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg", force=True)
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for r in results:
+    losses = np.asarray(r.losses)
+    k = max(1, len(losses) // 25)
+    smooth = np.convolve(losses, np.ones(k) / k, mode="valid") if len(losses) >= k else losses
+    ax_loss.plot(np.arange(len(smooth)) + k, smooth, label=r.mode, lw=1.5)
+  ax_loss.set_yscale("log")
+  ax_loss.set_xlabel("step")
+  ax_loss.set_ylabel("training loss (moving average)")
+  ax_loss.set_title("loss")
+  ax_loss.legend()
+  ax_loss.grid(alpha=0.3)
+
+  names = [r.mode for r in results]
+  medians = [r.median_ms for r in results]
+  bars = ax_time.bar(names, medians, color=[f"C{i}" for i in range(len(results))])
+  for b, v in zip(bars, medians):
+    ax_time.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center",
+                     va="bottom", fontsize=9)
+  ax_time.set_ylabel("median step time (ms)")
+  ax_time.set_title("step time (lower is better)")
+  ax_time.grid(axis="y", alpha=0.3)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

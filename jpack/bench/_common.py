@@ -1,0 +1,468 @@
+"""Shared helpers for the jpack benchmarks: workloads, inputs, timing, tables.
+
+Nothing here touches JAX's backend at import time, so an entry point can still set
+``jax_num_cpu_devices`` after importing this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+# -- workloads -------------------------------------------------------------------------
+
+
+def _workload_dir():
+  return importlib.resources.files("jpack") / "workloads"
+
+
+def workload_names() -> list[str]:
+  """Names of the packaged workloads (jpack/workloads/*.json), smallest first."""
+  names = []
+  for entry in _workload_dir().iterdir():
+    if entry.name.endswith(".json"):
+      names.append(entry.name[:-len(".json")])
+  docs = {n: load_workload_doc(n) for n in names}
+  return sorted(names, key=lambda n: (docs[n]["num_elements"], n))
+
+
+def load_workload_doc(name: str) -> dict:
+  """The raw JSON document of a packaged workload."""
+  path = _workload_dir() / f"{name}.json"
+  try:
+    text = path.read_text()
+  except FileNotFoundError:
+    raise SystemExit(f"Unknown workload {name!r}; available: "
+                     f"{', '.join(sorted(_available()))}") from None
+  return json.loads(text)
+
+
+def _available() -> list[str]:
+  return [e.name[:-5] for e in _workload_dir().iterdir() if e.name.endswith(".json")]
+
+
+@dataclasses.dataclass
+class Workload:
+  """A (possibly subset) workload: a flat ``{path: ShapeDtypeStruct}`` dict."""
+
+  name: str
+  shapes: dict[str, jax.ShapeDtypeStruct]
+  full_leaves: int
+  full_elements: int
+
+  @property
+  def num_leaves(self) -> int:
+    return len(self.shapes)
+
+  @property
+  def num_elements(self) -> int:
+    return sum(math.prod(s.shape) for s in self.shapes.values())
+
+  @property
+  def nbytes(self) -> int:
+    return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.shapes.values())
+
+  @property
+  def dtypes(self) -> str:
+    return "+".join(sorted({np.dtype(s.dtype).name for s in self.shapes.values()}))
+
+  @property
+  def subset(self) -> bool:
+    return self.num_leaves != self.full_leaves
+
+  def describe(self) -> str:
+    text = (f"{self.name}: {self.num_leaves} leaves, {self.num_elements / 1e6:.2f} M elements, "
+            f"{human_bytes(self.nbytes)} ({self.dtypes})")
+    if self.subset:
+      text += (f"  [subset of {self.full_leaves} leaves / "
+               f"{self.full_elements / 1e6:.1f} M elements]")
+    return text
+
+
+def load_workload(name: str, *, max_leaves: int | None = None,
+                  max_elements: int | None = None) -> Workload:
+  """Load a packaged workload as ``{path: jax.ShapeDtypeStruct}``.
+
+  With ``max_leaves`` / ``max_elements`` a subset is kept: leaves in file order, each
+  taken if it still fits both budgets (a leaf larger than the remaining element budget
+  is skipped, later smaller ones may still be taken).
+  """
+  doc = load_workload_doc(name)
+  shapes: dict[str, jax.ShapeDtypeStruct] = {}
+  total = 0
+  for leaf in doc["leaves"]:
+    if max_leaves is not None and len(shapes) >= max_leaves:
+      break
+    shape = tuple(int(d) for d in leaf["shape"])
+    size = math.prod(shape)
+    if max_elements is not None and total + size > max_elements:
+      continue
+    shapes[leaf["path"]] = jax.ShapeDtypeStruct(shape, np.dtype(_dtype(leaf["dtype"])))
+    total += size
+  return Workload(name, shapes, int(doc["num_leaves"]), int(doc["num_elements"]))
+
+
+def synthetic_small_leaves(num_leaves: int = 1000, total_bytes: int = 2**20,
+                           seed: int = 0) -> Workload:
+  """``num_leaves`` f32 leaves of varied small sizes, ``total_bytes`` in all."""
+  rng = np.random.default_rng(seed)
+  weights = rng.uniform(0.2, 1.8, num_leaves)
+  total = total_bytes // 4
+  sizes = np.maximum(1, np.floor(weights / weights.sum() * total)).astype(int)
+  sizes[-1] += total - sizes.sum()
+  shapes = {f"leaf{i:04d}": jax.ShapeDtypeStruct((int(s),), np.dtype(np.float32))
+            for i, s in enumerate(sizes)}
+  name = f"small_{num_leaves}_{human_bytes(total_bytes).replace(' ', '')}"
+  return Workload(name, shapes, num_leaves, int(sizes.sum()))
+
+
+def _dtype(name: str) -> Any:
+  import jax.numpy as jnp  # bfloat16 & co. come from ml_dtypes through jnp
+  return jnp.dtype(name)
+
+
+# -- inputs ----------------------------------------------------------------------------
+
+
+def random_numpy(shape: Sequence[int], dtype: Any, rng: np.random.Generator) -> np.ndarray:
+  """Uniform [0, 1) values of ``dtype`` (cheap to make, never NaN)."""
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.integer):
+    return rng.integers(0, 100, size=shape, dtype=dtype)
+  return rng.random(size=shape, dtype=np.float32).astype(dtype)
+
+
+def random_tree(shapes: dict[str, jax.ShapeDtypeStruct], *, seed: int = 0,
+                lead: int | None = None, sharding: Any = None) -> dict[str, jax.Array]:
+  """Random device arrays for ``shapes``.
+
+  Args:
+    shapes: ``{path: ShapeDtypeStruct}``.
+    seed: numpy seed.
+    lead: prepend a leading axis of this size (one slice per device).
+    sharding: a `jax.sharding.Sharding` to place every leaf with (default: device 0).
+  """
+  rng = np.random.default_rng(seed)
+  out = {}
+  for path, s in shapes.items():
+    shape = tuple(s.shape) if lead is None else (lead, *s.shape)
+    out[path] = place(random_numpy(shape, s.dtype, rng), sharding)
+  return jax.block_until_ready(out)
+
+
+def place(x: Any, sharding: Any = None) -> jax.Array:
+  if sharding is None:
+    return jax.device_put(x, jax.devices()[0])
+  return jax.device_put(x, sharding)
+
+
+# -- timing ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Compiled:
+  """An AOT-compiled function and how long it took to get it."""
+
+  fn: Any  # jax.stages.Compiled
+  lower_s: float
+  compile_s: float
+
+  @property
+  def total_s(self) -> float:
+    return self.lower_s + self.compile_s
+
+  def text(self) -> str:
+    return self.fn.as_text()
+
+
+def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None) -> Compiled:
+  """``jax.jit(f).lower(*args).compile()``, timing lowering (incl. tracing) and compile.
+
+  Run the returned ``.fn`` rather than ``jax.jit(f)``: calling the jitted function would
+  compile a second time (AOT results do not fill jit's cache).
+  """
+  jitted = f if isinstance(f, jax.stages.Wrapped) else jax.jit(f, **(jit_kwargs or {}))
+  t0 = time.perf_counter()
+  lowered = jitted.lower(*args)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  return Compiled(compiled, t1 - t0, t2 - t1)
+
+
+@dataclasses.dataclass
+class Timing:
+  median_s: float
+  min_s: float
+  runs: int
+
+  @property
+  def ms(self) -> float:
+    return 1e3 * self.median_s
+
+
+def time_fn(f: Callable, *args: Any, runs: int = 5, warmup: int = 1) -> Timing:
+  """Median wall time of ``f(*args)`` over ``runs`` calls, after ``warmup`` calls.
+
+  Every call is followed by `jax.block_until_ready`; the output is dropped before the
+  next call so only one result is alive at a time. Place ``args`` on their devices
+  first, or this times the transfer.
+  """
+  for _ in range(warmup):
+    out = f(*args)
+    jax.block_until_ready(out)
+    del out
+  times = []
+  for _ in range(max(1, runs)):
+    t0 = time.perf_counter()
+    out = f(*args)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t0)
+    del out
+  return Timing(statistics.median(times), min(times), len(times))
+
+
+def time_python(f: Callable, *args: Any, runs: int = 20) -> Timing:
+  """Median wall time of a pure-Python call (one warm-up call first)."""
+  f(*args)
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    f(*args)
+    times.append(time.perf_counter() - t0)
+  return Timing(statistics.median(times), min(times), len(times))
+
+
+# -- compiled HLO ----------------------------------------------------------------------
+
+_COLLECTIVE_RE = re.compile(
+    r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>all-reduce|reduce-scatter|all-gather)(?P<start>-start)?\(")
+_SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+              "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+              "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+
+COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+@dataclasses.dataclass
+class Collectives:
+  """Collective ops in a compiled HLO module: counts and result bytes per kind."""
+
+  count: dict[str, int]
+  result_bytes: dict[str, int]
+
+  def short(self) -> str:
+    abbrev = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG"}
+    parts = [f"{abbrev[k]}{self.count[k]}" for k in COLLECTIVE_OPS if self.count[k]]
+    return " ".join(parts) or "-"
+
+
+def count_collectives(hlo_text: str) -> Collectives:
+  """Count ``all-reduce(``, ``reduce-scatter(``, ``all-gather(`` (and ``-start`` forms).
+
+  Also sums the bytes of each op's result type (a tuple all-reduce counts all its
+  elements; for async ``-start`` ops the bytes are not counted).
+  """
+  count = {k: 0 for k in COLLECTIVE_OPS}
+  nbytes = {k: 0 for k in COLLECTIVE_OPS}
+  for line in hlo_text.splitlines():
+    m = _COLLECTIVE_RE.search(line)
+    if not m:
+      # Fallback: a form the regex does not parse still counts.
+      for k in COLLECTIVE_OPS:
+        if f" {k}(" in line or f" {k}-start(" in line:
+          count[k] += 1
+      continue
+    op = m.group("op")
+    count[op] += 1
+    if m.group("start"):
+      continue
+    for dtype, dims in _SHAPE_RE.findall(m.group("type")):
+      size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+      nbytes[op] += size * _HLO_BYTES.get(dtype, 4)
+  return Collectives(count, nbytes)
+
+
+# -- tables ----------------------------------------------------------------------------
+
+
+class Table:
+  """A plain table: aligned text for the terminal, or GitHub Markdown."""
+
+  def __init__(self, columns: Sequence[str], title: str = ""):
+    self.columns = list(columns)
+    self.title = title
+    self.rows: list[list[str]] = []
+
+  def add(self, *cells: Any) -> None:
+    if len(cells) != len(self.columns):
+      raise ValueError(f"row has {len(cells)} cells, table has {len(self.columns)} columns")
+    self.rows.append(["" if c is None else str(c) for c in cells])
+
+  def _right(self, col: int) -> bool:
+    """Right-align columns whose cells all look numeric."""
+    cells = [r[col] for r in self.rows if r[col] not in ("", "-")]
+    return bool(cells) and all(_looks_numeric(c) for c in cells)
+
+  def text(self) -> str:
+    widths = [max([len(h)] + [len(r[i]) for r in self.rows]) for i, h in enumerate(self.columns)]
+    right = [self._right(i) for i in range(len(self.columns))]
+
+    def line(cells):
+      return "  ".join(c.rjust(w) if r else c.ljust(w)
+                       for c, w, r in zip(cells, widths, right)).rstrip()
+
+    out = [self.title] if self.title else []
+    out += [line(self.columns), line(["-" * w for w in widths])]
+    out += [line(r) for r in self.rows]
+    return "\n".join(out)
+
+  def markdown(self) -> str:
+    right = [self._right(i) for i in range(len(self.columns))]
+    esc = lambda c: c.replace("|", "\\|")
+    out = [f"**{self.title}**", ""] if self.title else []
+    out.append("| " + " | ".join(esc(c) for c in self.columns) + " |")
+    out.append("|" + "|".join("---:" if r else "---" for r in right) + "|")
+    out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in self.rows]
+    return "\n".join(out)
+
+
+_NUM_RE = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?\s*(x|×|%|ms|s|MB|MiB|KiB|GB)?$")
+
+
+def _looks_numeric(cell: str) -> bool:
+  return bool(_NUM_RE.match(cell.strip()))
+
+
+class Report:
+  """Collects tables and text blocks; prints them, or writes them as Markdown."""
+
+  def __init__(self, title: str):
+    self.title = title
+    self.parts: list[Any] = []
+
+  def table(self, table: Table) -> None:
+    self.parts.append(table)
+    print("\n" + table.text(), flush=True)
+
+  def text(self, text: str) -> None:
+    self.parts.append(text)
+    print(text, flush=True)
+
+  def markdown(self) -> str:
+    out = [f"# {self.title}", "", f"Machine: `{machine()}`", ""]
+    for p in self.parts:
+      if isinstance(p, Table):
+        out += [p.markdown(), ""]
+      else:
+        out += ["```", p.rstrip("\n"), "```", ""] if "\n" in p.strip() else [p, ""]
+    return "\n".join(out)
+
+  def write_markdown(self, path: str | None) -> None:
+    if not path:
+      return
+    with open(path, "w") as f:
+      f.write(self.markdown())
+    print(f"\nWrote {path}", flush=True)
+
+
+# -- formatting ------------------------------------------------------------------------
+
+
+def fmt_ms(seconds: float | None) -> str:
+  if seconds is None:
+    return "-"
+  ms = 1e3 * seconds
+  return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def fmt_s(seconds: float | None) -> str:
+  if seconds is None:
+    return "-"
+  return f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}"
+
+
+def fmt_ratio(x: float | None) -> str:
+  if x is None or not math.isfinite(x):
+    return "-"
+  return f"{x:.2f}x"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+  if a is None or b is None or b <= 0:
+    return None
+  return a / b
+
+
+def human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return str(n)
+
+
+def fmt_mb(n: float) -> str:
+  return f"{n / 1e6:.3g}" if n < 1e8 else f"{n / 1e6:.0f}"
+
+
+def verdict(ok: bool | None) -> str:
+  return "SKIP" if ok is None else ("PASS" if ok else "MISS")
+
+
+# -- machine ---------------------------------------------------------------------------
+
+
+def machine() -> str:
+  """CPU model, cores, jax/jaxlib versions and devices, on one line."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  cores = os.cpu_count()
+  try:
+    import jaxlib
+    jaxlib_version = jaxlib.__version__
+  except Exception:  # pragma: no cover
+    jaxlib_version = "?"
+  devices = jax.devices()
+  kinds = sorted({d.platform for d in devices})
+  return (f"{cpu}, {cores} cores, jax {jax.__version__} (jaxlib {jaxlib_version}), "
+          f"{len(devices)} {'/'.join(kinds)} device(s), python {platform.python_version()}")
+
+
+def set_cpu_devices(n: int) -> None:
+  """Ask for ``n`` CPU devices; must run before JAX's backend initializes."""
+  jax.config.update("jax_num_cpu_devices", n)
+
+
+def require_devices(n: int) -> None:
+  if jax.device_count() < n:
+    raise SystemExit(
+        f"Need {n} devices, have {jax.device_count()}: JAX's backend was initialized before "
+        f"jax_num_cpu_devices could be set. Run `python -m jpack.bench collectives` in a "
+        f"fresh process.")
+
+
+def banner(title: str, lines: Iterable[str] = ()) -> str:
+  text = "\n".join([f"== {title} ==", f"machine: {machine()}", *lines])
+  print(text, flush=True)
+  return text

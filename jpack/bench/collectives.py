@@ -1,0 +1,357 @@
+"""Packed vs per-leaf all-reduce on 8 forced CPU devices.
+
+Every variant runs as ``jax.jit(jax.shard_map(body, mesh=make_mesh((8,), ("batch",)),
+in_specs=P("batch"), out_specs=P()))`` on a tree whose leaves carry a leading axis of 8
+(one slice per device, placed with ``NamedSharding(mesh, P("batch"))`` before timing):
+
+  per-leaf       ``tree_map(lax.pmean)`` (XLA merges these into one tuple all-reduce)
+  ravel          ``ravel_pytree`` + one pmean + unravel (what ``optax.flatten`` does)
+  jpack psum     ``jpack.pmean(method="psum")``: one all-reduce per bucket
+  jpack s+g      ``jpack.pmean(method="scatter_gather")`` (= the default "auto" here)
+  jpack bf16     ``jpack.pmean(comm_dtype=jnp.bfloat16)``: bf16 on the wire
+  floor          one pmean of a single f32 array with the tree's bytes
+  x*2 local      per-leaf ``x * 2`` (no communication): the per-buffer cost of N outputs
+
+    python -m jpack.bench collectives              # all workloads, big ones cut to ~26 M elements
+    python -m jpack.bench collectives --quick      # small subsets, 3 runs (~2 min)
+    python -m jpack.bench collectives --workloads resnet50 --markdown coll.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jpack
+from jpack.bench import _common as c
+
+NUM_DEVICES = 8
+AXIS = "batch"
+
+PMEAN_VS_FLOOR_GOAL = 3.0
+
+DEFAULT_MAX_ELEMENTS = 26_000_000  # keeps ResNet-50 (25.6 M) whole, cuts the others
+QUICK_MAX_ELEMENTS = 2_000_000
+QUICK_MAX_LEAVES = 200
+QUICK_SMALL_LEAVES = 200
+SWEEP_MIB = (1, 4, 16, 64)
+
+VARIANTS = {
+    # key: (label, is a jpack variant under the goals)
+    "per_leaf": "per-leaf pmean",
+    "ravel": "ravel + pmean",
+    "jpack_psum": "jpack psum",
+    "jpack_sg": "jpack s+g",
+    "jpack_bf16": "jpack bf16 wire",
+    "floor": "floor (1 array)",
+    "x2": "x*2 local",
+}
+GOAL_VARIANTS = ("jpack_psum", "jpack_sg")
+# Above --slow-leaves leaves only these run by default: every jpack variant (and ravel's
+# unravel) returns N slices, and XLA:CPU compiles one kernel per output slice (~90 s or
+# more at 4000 leaves). --all-variants runs everything.
+SLOW_VARIANTS = ("per_leaf", "jpack_sg", "floor", "x2")
+
+
+@dataclasses.dataclass
+class Result:
+  key: str
+  compiled: c.Compiled
+  timing: c.Timing
+  colls: c.Collectives
+
+  @property
+  def run_s(self) -> float:
+    return self.timing.median_s
+
+
+class Bench:
+  def __init__(self, runs: int):
+    self.mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
+    self.sharding = NamedSharding(self.mesh, P(AXIS))
+    self.runs = runs
+
+  def smap(self, body: Callable, out_specs: Any = P()) -> Callable:
+    return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(AXIS), out_specs=out_specs))
+
+  def measure(self, key: str, label: str, f: Callable, arg: Any) -> Result:
+    compiled = c.compile_fn(f, arg)
+    colls = c.count_collectives(compiled.text())
+    timing = c.time_fn(compiled.fn, arg, runs=self.runs)
+    print(f"  {label:<24} run {c.fmt_ms(timing.median_s):>7} ms   lower {compiled.lower_s:6.2f} s"
+          f"   compile {compiled.compile_s:6.2f} s   {colls.short()}", flush=True)
+    return Result(key, compiled, timing, colls)
+
+
+def _local(tree: Any) -> Any:
+  """Drop the leading per-device axis of size 1 inside shard_map."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[1:]), tree)
+
+
+def bodies(layout: jpack.Layout) -> dict[str, tuple[Callable, Any]]:
+  """Variant -> (shard_map body over the tree, out_specs)."""
+
+  def per_leaf(t):
+    return jax.tree.map(lambda x: lax.pmean(x, AXIS), _local(t))
+
+  def ravel(t):
+    flat, unravel = ravel_pytree(_local(t))
+    return unravel(lax.pmean(flat, AXIS))
+
+  def jpack_psum(t):
+    return jpack.pmean(_local(t), AXIS, layout=layout, method="psum")
+
+  def jpack_sg(t):
+    return jpack.pmean(_local(t), AXIS, layout=layout, method="scatter_gather")
+
+  def jpack_bf16(t):
+    return jpack.pmean(_local(t), AXIS, layout=layout, comm_dtype=jnp.bfloat16)
+
+  def x2(t):
+    return jax.tree.map(lambda x: x * 2, t)
+
+  return {"per_leaf": (per_leaf, P()), "ravel": (ravel, P()), "jpack_psum": (jpack_psum, P()),
+          "jpack_sg": (jpack_sg, P()), "jpack_bf16": (jpack_bf16, P()), "x2": (x2, P(AXIS))}
+
+
+def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...]
+                   ) -> tuple[dict[str, Result], jpack.Layout]:
+  print(f"\n{w.describe()}  x {NUM_DEVICES} devices", flush=True)
+  layout = jpack.plan(w.shapes, num_shards=NUM_DEVICES)
+  tree = c.random_tree(w.shapes, seed=0, lead=NUM_DEVICES, sharding=bench.sharding)
+  results: dict[str, Result] = {}
+  fns = bodies(layout)
+  for key in variants:
+    if key == "floor":
+      continue
+    body, out_specs = fns[key]
+    results[key] = bench.measure(key, VARIANTS[key], bench.smap(body, out_specs), tree)
+  del tree
+  if "floor" in variants:
+    rng = np.random.default_rng(1)
+    single = c.place(c.random_numpy((NUM_DEVICES, w.nbytes // 4), np.float32, rng),
+                     bench.sharding)
+    results["floor"] = bench.measure(
+        "floor", VARIANTS["floor"],
+        bench.smap(lambda x: lax.pmean(x.reshape(x.shape[1:]), AXIS)), single)
+    del single
+  return results, layout
+
+
+def bucket_sweep(bench: Bench, w: c.Workload, sizes_mib: tuple[int, ...]
+                 ) -> list[tuple[int, str, jpack.Layout, Result]]:
+  print(f"\nbucket sweep on {w.describe()}", flush=True)
+  tree = c.random_tree(w.shapes, seed=0, lead=NUM_DEVICES, sharding=bench.sharding)
+  out = []
+  for mib in sizes_mib:
+    layout = jpack.plan(w.shapes, num_shards=NUM_DEVICES, bucket_bytes=mib * 2**20)
+    fns = bodies(layout)
+    for method, key in (("psum", "jpack_psum"), ("scatter_gather", "jpack_sg")):
+      r = bench.measure(key, f"{mib} MiB {method}", bench.smap(fns[key][0]), tree)
+      out.append((mib, method, layout, r))
+  del tree
+  return out
+
+
+def wire_bytes(layout: jpack.Layout) -> tuple[int, int, int]:
+  """(leaf bytes, bucket bytes with native wire, bucket bytes with bf16 wire for f32)."""
+  native = sum(b.nbytes for b in layout.buckets)
+  bf16 = sum(b.nbytes // 2 if b.dtype == np.float32 else b.nbytes for b in layout.buckets)
+  return layout.leaf_nbytes, native, bf16
+
+
+def main(argv: list[str] | None = None) -> int:
+  # First, before anything creates an array: the CPU backend reads this once, at start.
+  c.set_cpu_devices(NUM_DEVICES)
+  parser = argparse.ArgumentParser(prog="python -m jpack.bench collectives", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workloads", default="",
+                      help="comma-separated workload names (default: all packaged ones); "
+                           "'small_1000' is the synthetic 1000-leaf (1 MiB) tree")
+  parser.add_argument("--quick", action="store_true",
+                      help=f"subsets of <= {QUICK_MAX_LEAVES} leaves / "
+                           f"{QUICK_MAX_ELEMENTS / 1e6:g} M elements, synthetic tree of "
+                           f"{QUICK_SMALL_LEAVES} leaves, 3 runs, sweep on 1/4 MiB")
+  parser.add_argument("--runs", type=int, default=None, help="timed runs (median; default 5)")
+  parser.add_argument("--max-elements", type=int, default=None,
+                      help=f"elements kept per workload (default {DEFAULT_MAX_ELEMENTS:,}: "
+                           "ResNet-50 whole, the others cut)")
+  parser.add_argument("--max-leaves", type=int, default=None, help="leaves kept per workload")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help=f"comma-separated subset of {', '.join(VARIANTS)}")
+  parser.add_argument("--slow-leaves", type=int, default=1000,
+                      help="above this many leaves run only " + ", ".join(SLOW_VARIANTS)
+                           + " (default 1000)")
+  parser.add_argument("--all-variants", action="store_true",
+                      help="run every variant on every workload (many_small_4000: +10 min)")
+  parser.add_argument("--no-sweep", action="store_true", help="skip the bucket-size sweep")
+  parser.add_argument("--sweep-workload", default="resnet50")
+  parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+  args = parser.parse_args(argv)
+  c.require_devices(NUM_DEVICES)
+
+  runs = args.runs if args.runs is not None else (3 if args.quick else 5)
+  max_elements = args.max_elements if args.max_elements is not None else (
+      QUICK_MAX_ELEMENTS if args.quick else DEFAULT_MAX_ELEMENTS)
+  max_leaves = args.max_leaves if args.max_leaves is not None else (
+      QUICK_MAX_LEAVES if args.quick else None)
+  small_leaves = QUICK_SMALL_LEAVES if args.quick else 1000
+  small = c.synthetic_small_leaves(small_leaves, 2**20)
+  variants = tuple(v for v in args.variants.split(",") if v)
+  unknown = set(variants) - set(VARIANTS)
+  if unknown:
+    raise SystemExit(f"Unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+  names = [n for n in args.workloads.split(",") if n] or (
+      [small.name] + c.workload_names())
+  sweep_mib = SWEEP_MIB[:2] if args.quick else SWEEP_MIB
+
+  report = c.Report("jpack collectives benchmark")
+  c.banner("jpack.bench collectives", [
+      f"{NUM_DEVICES} CPU devices, shard_map over ('{AXIS}',); runs {runs} (median, after 1 "
+      f"warm-up); max_elements {max_elements:,}, max_leaves {max_leaves}"])
+  bench = Bench(runs)
+
+  all_results = {}
+  layouts = {}
+  workloads = {}
+  for name in names:
+    if name.startswith("small_"):
+      w = small if name == small.name else c.synthetic_small_leaves(int(name.split("_")[1]), 2**20)
+    else:
+      w = c.load_workload(name, max_leaves=max_leaves, max_elements=max_elements)
+    workloads[name] = w
+    chosen = variants
+    if w.num_leaves > args.slow_leaves and not args.all_variants:
+      chosen = tuple(v for v in variants if v in SLOW_VARIANTS)
+      print(f"\n{name}: {w.num_leaves} leaves > --slow-leaves {args.slow_leaves}: only "
+            f"{', '.join(chosen)} (--all-variants for all)", flush=True)
+    all_results[name], layouts[name] = bench_workload(bench, w, chosen)
+
+  sweep = []
+  if not args.no_sweep:
+    sw = c.load_workload(args.sweep_workload, max_leaves=max_leaves, max_elements=max_elements)
+    sweep = bucket_sweep(bench, sw, sweep_mib)
+
+  # -- main table ----------------------------------------------------------------------
+  t1 = c.Table(["workload", "variant", "run ms", "vs per-leaf", "vs floor", "lower s",
+                "compile s", "C vs per-leaf", "HLO collectives"],
+               title=f"pmean over {NUM_DEVICES} CPU devices (median run; C = lower + compile; "
+                     "vs = time ratio, lower is better)")
+  for name, res in all_results.items():
+    w = workloads[name]
+    label = _label(name, w)
+    base = res.get("per_leaf")
+    floor = res.get("floor")
+    for key in VARIANTS:
+      if key not in res:
+        continue
+      r = res[key]
+      t1.add(label, VARIANTS[key], c.fmt_ms(r.run_s),
+             c.fmt_ratio(c.ratio(r.run_s, base and base.run_s)),
+             c.fmt_ratio(c.ratio(r.run_s, floor and floor.run_s)),
+             c.fmt_s(r.compiled.lower_s), c.fmt_s(r.compiled.compile_s),
+             c.fmt_ratio(c.ratio(r.compiled.total_s, base and base.compiled.total_s)),
+             r.colls.short())
+  report.table(t1)
+
+  # -- bytes on the wire -------------------------------------------------------------
+  t2 = c.Table(["workload", "leaves", "buckets", "leaf MB", "f32 wire MB", "bf16 wire MB",
+                "HLO reduced MB (s+g)", "HLO gathered MB (s+g)", "HLO reduced MB (bf16)",
+                "HLO gathered MB (bf16)"],
+               title="Bytes all-reduced per step (per device). Layout: sum of bucket bytes; "
+                     "bf16 wire halves f32 buckets. HLO: all-reduce + reduce-scatter input "
+                     "bytes, all-gather output bytes")
+  for name, layout in layouts.items():
+    leaf, native, bf16 = wire_bytes(layout)
+    res = all_results[name]
+
+    def hlo(key):
+      if key not in res:
+        return "-", "-"
+      b = res[key].colls.result_bytes
+      reduced = b["all-reduce"] + NUM_DEVICES * b["reduce-scatter"]
+      return c.fmt_mb(reduced), c.fmt_mb(b["all-gather"])
+
+    t2.add(_label(name, workloads[name]), layout.num_leaves, len(layout.buckets),
+           c.fmt_mb(leaf), c.fmt_mb(native), c.fmt_mb(bf16), *hlo("jpack_sg"),
+           *hlo("jpack_bf16"))
+  report.table(t2)
+
+  # -- sweep -------------------------------------------------------------------------
+  if sweep:
+    sw_name = _label(args.sweep_workload, sw)
+    base = all_results.get(args.sweep_workload, {})
+    t3 = c.Table(["bucket_bytes", "method", "buckets", "run ms", "vs per-leaf", "vs floor",
+                  "compile s", "HLO collectives"],
+                 title=f"Bucket-size sweep, jpack.pmean on {sw_name}")
+    for mib, method, layout, r in sweep:
+      pl, fl = base.get("per_leaf"), base.get("floor")
+      t3.add(f"{mib} MiB", method, len(layout.buckets), c.fmt_ms(r.run_s),
+             c.fmt_ratio(c.ratio(r.run_s, pl and pl.run_s)),
+             c.fmt_ratio(c.ratio(r.run_s, fl and fl.run_s)),
+             c.fmt_s(r.compiled.total_s), r.colls.short())
+    report.table(t3)
+
+  # -- goals -------------------------------------------------------------------------
+  goals = c.Table(["goal", "workload", "variant", "value", "limit", "result"], title="Goals")
+  for name, res in all_results.items():
+    label = _label(name, workloads[name])
+    for key in GOAL_VARIANTS:
+      if key not in res:
+        continue
+      r = res[key]
+      fl, pl = res.get("floor"), res.get("per_leaf")
+      v = c.ratio(r.run_s, fl and fl.run_s)
+      goals.add("run <= 3x floor", label, VARIANTS[key], c.fmt_ratio(v), "3.00x",
+                c.verdict(None if v is None else v <= PMEAN_VS_FLOOR_GOAL))
+      v = c.ratio(r.run_s, pl and pl.run_s)
+      goals.add("run <= per-leaf", label, VARIANTS[key], c.fmt_ratio(v), "1.00x",
+                c.verdict(None if v is None else v <= 1.0))
+      if workloads[name].num_leaves >= 1000:
+        v = c.ratio(r.compiled.total_s, pl and pl.compiled.total_s)
+        goals.add("compile <= per-leaf (>= 1000 leaves)", label, VARIANTS[key],
+                  c.fmt_ratio(v), "1.00x", c.verdict(None if v is None else v <= 1.0))
+  report.table(goals)
+  notes = ["Notes: inputs are (8, *shape) per leaf, sharded P('batch'); every variant returns the "
+           "tree replicated (out_specs=P()), except 'x*2 local' (out_specs=P('batch')).",
+           "  'jpack s+g' = method='scatter_gather' (what method='auto' picks here); 'jpack bf16 "
+           "wire' = comm_dtype=bfloat16, method auto.",
+           "  HLO collectives: AR all-reduce, RS reduce-scatter, AG all-gather ops in "
+           "compiled.as_text() (per-leaf pmeans are merged by XLA into one tuple all-reduce).",
+           "  Practical floor for a standalone call returning N leaves ~ floor + 'x*2 local' "
+           "(per-buffer cost; see shared/README.md)."]
+  promoted = [n for n, r in all_results.items() if "jpack_bf16" in r and "jpack_sg" in r
+              and r["jpack_bf16"].colls.result_bytes["reduce-scatter"]
+              >= r["jpack_sg"].colls.result_bytes["reduce-scatter"] > 0]
+  if promoted:
+    notes.append("  bf16 wire: the compiled HLO reduces in f32 anyway on this backend (XLA:CPU "
+                 "promotes bf16 reductions: 'HLO reduced MB (bf16)' = f32 bytes), so it only adds "
+                 "converts here; the all-gather after the mean is in the leaf dtype (f32) by design.")
+  skipped = [n for n, w in workloads.items() if w.num_leaves > args.slow_leaves]
+  if skipped and not args.all_variants:
+    notes.append(f"  {', '.join(skipped)}: > {args.slow_leaves} leaves, only "
+                 f"{', '.join(SLOW_VARIANTS)} run (--all-variants for all).")
+  if any(w.subset for w in workloads.values()):
+    notes.append("  'N lv' / 'M el' = workload subset (--max-elements / --max-leaves / --quick).")
+  report.text("\n".join(notes))
+  report.write_markdown(args.markdown)
+  return 0
+
+
+def _label(name: str, w: c.Workload) -> str:
+  if not w.subset:
+    return name
+  return f"{name} ({w.num_leaves} lv, {w.num_elements / 1e6:.1f} M el)"
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -118,7 +118,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
       updates, opt_state = tx.update(shards, state.opt_state, state.params)
     else:
       grads = reduce_grads(grads)
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": lax.pmean(loss, axis_name), "grad_norm": grad_norm}

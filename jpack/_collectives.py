@@ -104,7 +104,11 @@ def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
   is divided in the wider of the leaf dtype and ``comm_dtype``.
 
   Args:
-    tree, axis_name, comm_dtype, layout, method, **plan_options: as in `jpack.psum`.
+    tree: as in `jpack.psum`.
+    axis_name: as in `jpack.psum`.
+    comm_dtype: as in `jpack.psum`.
+    layout: as in `jpack.psum`.
+    method: as in `jpack.psum`.
     allow_int: integer leaves have no exact mean in their own dtype, so they are refused
       unless this is True; then they are summed exactly and floor-divided by the axis
       size, keeping their dtype (exact for values equal on every device, like step
@@ -179,7 +183,8 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
     tree: a pytree of arrays, or a `Packed`.
     axis_name: the mesh / pmap axis.
     root: index along ``axis_name`` of the device whose values win.
-    layout, **plan_options: as in `jpack.psum`.
+    layout: as in `jpack.psum`.
+    **plan_options: as in `jpack.psum`.
 
   Returns:
     ``tree`` as it is on ``root``, on every device.
@@ -242,7 +247,10 @@ def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
       the axis size.
     axis_name: the mesh / pmap axis.
     mean: average instead of sum.
-    comm_dtype, layout, allow_int, **plan_options: as in `jpack.pmean`.
+    comm_dtype: as in `jpack.pmean`.
+    layout: as in `jpack.pmean`.
+    allow_int: as in `jpack.pmean`.
+    **plan_options: as in `jpack.pmean`.
 
   Returns:
     `Shards` holding the reduced slices; `jpack.all_gather` reassembles them.

@@ -277,7 +277,7 @@ def plan(
   Returns:
     A hashable `Layout`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jpack
     >>> tree = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4), "step": jnp.int32(0)}
     >>> layout = jpack.plan(tree, align_bytes=16)

@@ -72,7 +72,7 @@ def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed
     TypeError: a leaf is not an array, or its dtype does not match ``layout`` (jpack
       never casts silently).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jpack
     >>> packed = jpack.pack({"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}, align_bytes=4)
     >>> packed.buckets[0]
@@ -120,7 +120,7 @@ def unpack(packed: Packed) -> Any:
   Returns:
     The tree, every leaf with its original shape and dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jpack
     >>> tree = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2), jnp.int8)}
     >>> back = jpack.unpack(jpack.pack(tree))

@@ -81,7 +81,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   Returns:
     An `optax.GradientTransformation` whose state is a `ShardedState`.
 
-  Example:
+  Examples:
     >>> import optax, jpack
     >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
   """

@@ -143,12 +143,27 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
 
   def init(params):
     _check_same_layout_everywhere(layout)
-    return init_sm(jax.device_put(params, replicated))
+    return init_sm(jax.tree.map(lambda x: _replicate(x, replicated), params))
 
   def step(state, batch):
     return step_sm(state, batch)
 
   return DataParallel(init, step, jax.jit(to_tree), layout)
+
+
+def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
+  """Place this process's value on each of its devices, as a replicated global array.
+
+  Unlike ``jax.device_put``, processes may pass different values (each initialised its
+  own params): the broadcast from ``root`` in ``init`` then makes them equal.
+  """
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  value = np.asarray(x)
+  shards = [jax.device_put(value, d) for d in sharding.addressable_devices]
+  return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
 
 
 def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainState:

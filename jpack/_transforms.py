@@ -33,7 +33,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
   Returns:
     An `optax.GradientTransformation` with `optax.EmptyState`.
 
-  Example:
+  Examples:
     >>> import optax, jpack
     >>> tx = optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3))
   """
@@ -81,7 +81,7 @@ def flat(inner: Inner, *, labels: Labels = None,
   Returns:
     An `optax.GradientTransformation` whose state is `FlatState`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax, jpack
     >>> params = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
     >>> tx = jpack.optax.flat(optax.adam(0.1))

@@ -1,0 +1,56 @@
+"""One process of the 2-process x 2-CPU-device test (run by tests/test_multiprocess.py)."""
+
+import json
+import sys
+
+import jax
+
+proc, nproc, port, out, mismatch = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=proc,
+                           initialization_timeout=60)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jpack  # noqa: E402
+from test_train import data, init_cnn, loss_fn  # noqa: E402
+
+mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+result = {}
+
+# Packed pmean of per-device values across processes.
+rng = np.random.default_rng(0)
+glob = {"a": rng.normal(size=(4, 5, 3)).astype(np.float32), "b": rng.integers(0, 9, (4, 7)).astype(np.int32)}
+sharding = NamedSharding(mesh, P("batch"))
+local = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), glob)
+f = jax.jit(jax.shard_map(lambda t: jpack.psum(jax.tree.map(lambda x: x[0], t), "batch"),
+                          mesh=mesh, in_specs=P("batch"), out_specs=P()))
+summed = f(local)
+result["psum"] = {k: np.asarray(v.addressable_shards[0].data).tolist() for k, v in summed.items()}
+
+# A few training steps; process 1 starts from different params: broadcast fixes it.
+params = init_cnn(jax.random.key(0 if proc == 0 else 99))
+if mismatch and proc == 1:
+  params["extra"] = jax.numpy.zeros(3)
+dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode="sharded")
+try:
+  state = dp.init(params)
+except ValueError as e:
+  result["error"] = str(e)
+  json.dump(result, open(out, "w"))
+  sys.exit(0)
+x, y = data(4)
+for i in range(4):
+  batch = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx]),
+                       (x[i], y[i]))
+  state, metrics = dp.step(state, batch)
+params_out = jax.jit(jpack.unpack, out_shardings=NamedSharding(mesh, P()))(state.params)
+result["params"] = jax.tree.map(lambda v: np.asarray(v.addressable_shards[0].data).tolist(), params_out)
+result["loss"] = float(np.asarray(metrics["loss"].addressable_shards[0].data))
+json.dump(result, open(out, "w"))
+jax.distributed.shutdown()

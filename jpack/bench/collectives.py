@@ -40,9 +40,10 @@ AXIS = "batch"
 PMEAN_VS_FLOOR_GOAL = 3.0
 
 DEFAULT_MAX_ELEMENTS = 26_000_000  # keeps ResNet-50 (25.6 M) whole, cuts the others
-QUICK_MAX_ELEMENTS = 2_000_000
-QUICK_MAX_LEAVES = 200
+QUICK_MAX_ELEMENTS = 1_000_000
+QUICK_MAX_LEAVES = 100
 QUICK_SMALL_LEAVES = 200
+QUICK_WORKLOADS = ("resnet50", "mixed_llama_tiny", "many_small_4000")
 SWEEP_MIB = (1, 4, 16, 64)
 
 VARIANTS = {
@@ -178,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="comma-separated workload names (default: all packaged ones); "
                            "'small_1000' is the synthetic 1000-leaf (1 MiB) tree")
   parser.add_argument("--quick", action="store_true",
-                      help=f"subsets of <= {QUICK_MAX_LEAVES} leaves / "
+                      help=f"{', '.join(QUICK_WORKLOADS)} cut to <= {QUICK_MAX_LEAVES} leaves / "
                            f"{QUICK_MAX_ELEMENTS / 1e6:g} M elements, synthetic tree of "
-                           f"{QUICK_SMALL_LEAVES} leaves, 3 runs, sweep on 1/4 MiB")
+                           f"{QUICK_SMALL_LEAVES} leaves, 5 runs, sweep on 1/4 MiB")
   parser.add_argument("--runs", type=int, default=None, help="timed runs (median; default 5)")
   parser.add_argument("--max-elements", type=int, default=None,
                       help=f"elements kept per workload (default {DEFAULT_MAX_ELEMENTS:,}: "
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   c.require_devices(NUM_DEVICES)
 
-  runs = args.runs if args.runs is not None else (3 if args.quick else 5)
+  runs = args.runs if args.runs is not None else 5
   max_elements = args.max_elements if args.max_elements is not None else (
       QUICK_MAX_ELEMENTS if args.quick else DEFAULT_MAX_ELEMENTS)
   max_leaves = args.max_leaves if args.max_leaves is not None else (
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
   if unknown:
     raise SystemExit(f"Unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
   names = [n for n in args.workloads.split(",") if n] or (
-      [small.name] + c.workload_names())
+      [small.name] + list(QUICK_WORKLOADS if args.quick else c.workload_names()))
   sweep_mib = SWEEP_MIB[:2] if args.quick else SWEEP_MIB
 
   report = c.Report("jpack collectives benchmark")

@@ -1,0 +1,120 @@
+"""`python -m jpack demo` end to end (in a subprocess: it sets its own device count)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jpack import __main__ as cli
+from jpack._demo import ALL_MODES, collective_arrays, count_collectives
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+
+
+def _run(*args, timeout=300):
+  env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, "-m", "jpack", *args], capture_output=True,
+                        text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(320)
+def test_demo_quick_runs_all_modes(tmp_path):
+  out = tmp_path / "demo-out"
+  proc = _run("demo", "--quick", "--devices", "4", "--modes", ",".join(ALL_MODES),
+              "--out", str(out), "--no-progress")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  text = proc.stdout
+  assert "mode" in text and "step ms (median)" in text and "test acc" in text, text
+  assert "Parameter layout" in text and "bucket" in text, text
+  table = text[text.index("step ms (median)"):]
+  for mode in ALL_MODES:
+    assert f"\n{mode} " in table, (mode, text)
+
+  png = out / "jpack-demo.png"
+  assert png.is_file() and png.stat().st_size > 10_000
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert str(png) in text
+
+  doc = json.loads((out / "results.json").read_text())
+  assert doc["devices"] == 4
+  results = {r["mode"]: r for r in doc["results"]}
+  assert set(results) == set(ALL_MODES)
+  for mode, r in results.items():
+    assert len(r["losses"]) == doc["steps"]
+    assert r["test_accuracy"] > 0.8, (mode, r["test_accuracy"])  # 10 classes: chance 0.1
+    assert r["losses"][-1] < r["losses"][0]
+    assert r["median_ms"] > 0 and r["compile_s"] > 0
+  # All modes compute the same mean gradient: the same data gives nearly the same loss.
+  finals = [r["final_loss"] for r in results.values()]
+  assert max(finals) - min(finals) < 0.05, finals
+  # per_leaf reduces every leaf (XLA may merge them into one tuple op, but the arrays
+  # stay separate); jpack modes reduce one bucket.
+  assert results["per_leaf"]["collective_arrays"] > 12 * 4  # 12 blocks of 4 leaves
+  assert results["allreduce"]["collective_arrays"] < 10
+  for r in results.values():
+    assert sum(r["collectives"].values()) >= 1
+  # ZeRO-1 keeps 1/4 of the optimizer's moments per device.
+  assert results["sharded"]["opt_state_bytes"] < results["allreduce"]["opt_state_bytes"] / 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--modes", "per_leaf,bogus"], "unknown mode(s) 'bogus'"),
+    (["demo", "--modes", ","], "at least one mode"),
+    (["demo", "--devices", "0"], "must be >= 1"),
+    (["demo", "--steps", "0"], "must be >= 1"),
+    (["demo", "--steps", "ten"], "expected a positive integer"),
+    (["demo", "--comm-dtype", "int8"], "invalid choice"),
+    (["demo", "--bucket-mib", "-1"], "positive number"),
+    (["demo", "--devices", "3", "--batch-size", "256"], "divisible"),
+    (["demo", "--frobnicate"], "unrecognized arguments"),
+    (["layout", "no_such_workload"], "unknown workload"),
+    (["nope"], "invalid choice"),
+])
+def test_bad_flags_exit_with_a_clear_message(argv, message, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(argv)
+  assert info.value.code != 0
+  assert message in capsys.readouterr().err
+
+
+def test_bad_flags_in_a_subprocess():
+  proc = _run("demo", "--modes", "per_leaf,nope", timeout=120)
+  assert proc.returncode == 2
+  assert "unknown mode(s) 'nope'" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_help_and_no_command(capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(["demo", "--help"])
+  assert info.value.code == 0
+  help_text = capsys.readouterr().out
+  for flag in ("--devices", "--steps", "--batch-size", "--bucket-mib", "--modes",
+               "--comm-dtype", "--out", "--seed", "--quick"):
+    assert flag in help_text
+  assert cli.main([]) == 2
+  assert "demo" in capsys.readouterr().out
+
+
+def test_layout_command(capsys):
+  assert cli.main(["layout", "gpt2_small", "--num-shards", "8", "--bucket-mib", "16"]) == 0
+  text = capsys.readouterr().out
+  assert text.startswith("gpt2_small:")
+  assert "Layout " in text and "bucket" in text and "float32" in text
+
+
+def test_count_collectives():
+  hlo = """
+  %all-reduce = (f32[4]{0}, f32[2,3]{1,0}) all-reduce(f32[4]{0} %a, f32[2,3]{1,0} %b), to_apply=%add
+  %all-reduce.1 = f32[] all-reduce(f32[] %x), replica_groups={}
+  %ars = (f32[8]) all-reduce-start(f32[8] %y)
+  %rs = f32[2]{0} reduce-scatter(f32[8]{0} %z), dimensions={0}
+  %ag = f32[8]{0} all-gather(f32[2]{0} %rs), dimensions={0}
+  %d = f32[8]{0} all-gather-done(%ag)
+  """
+  assert count_collectives(hlo) == {"all-reduce": 3, "reduce-scatter": 1, "all-gather": 1}
+  assert collective_arrays(hlo) == 6

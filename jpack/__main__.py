@@ -66,44 +66,54 @@ def build_parser() -> argparse.ArgumentParser:
           "data-parallel over simulated CPU devices, once per gradient-reduction mode, "
           "and compare step time, collectives, bytes, memory and accuracy. "
           "Needs: pip install 'jpack[demo]'."),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  )
   demo.add_argument("--devices", type=_positive_int, default=8,
-                    help="number of simulated CPU devices (data-parallel replicas)")
+                    help="number of simulated CPU devices (data-parallel replicas); "
+                         "default %(default)s")
   demo.add_argument("--steps", type=_positive_int, default=None,
                     help=f"training steps per mode (default {DEFAULT_STEPS}, "
                          f"{QUICK_STEPS} with --quick)")
   demo.add_argument("--batch-size", type=_positive_int, default=256,
-                    help="global batch size (split over the devices; must divide evenly)")
+                    help="global batch size, split over the devices (must divide evenly); "
+                         "default %(default)s")
   demo.add_argument("--bucket-mib", type=_positive_float, default=None,
-                    help="jpack bucket size cap in MiB (default: jpack's default, 4 MiB)")
-  demo.add_argument("--modes", type=_modes, default=list(DEMO_MODES),
-                    help=f"comma-separated modes, from: {', '.join(ALL_MODES)}")
+                    help="jpack bucket size cap in MiB (default: jpack's own, 4 MiB)")
+  demo.add_argument("--modes", type=_modes, default=",".join(DEMO_MODES),
+                    help=f"comma-separated modes, from: {', '.join(ALL_MODES)}; "
+                         "default %(default)s")
   demo.add_argument("--comm-dtype", choices=COMM_DTYPES, default="none",
                     help="wire dtype of jpack's gradient collectives (none: the "
-                         "gradients' own dtype); the per_leaf/ravel baselines ignore it")
-  demo.add_argument("--width", type=_positive_int, default=128, help="MLP hidden width")
+                         "gradients' own dtype); the per_leaf/ravel baselines ignore it; "
+                         "default %(default)s")
+  demo.add_argument("--width", type=_positive_int, default=128,
+                    help="MLP hidden width; default %(default)s")
   demo.add_argument("--depth", type=_positive_int, default=12,
-                    help="residual blocks (4 parameter leaves each)")
-  demo.add_argument("--lr", type=_positive_float, default=1e-3, help="adamw learning rate")
+                    help="residual blocks (4 parameter leaves each); default %(default)s")
+  demo.add_argument("--lr", type=_positive_float, default=1e-3,
+                    help="adamw learning rate; default %(default)s")
   demo.add_argument("--out", default="jpack-demo-out",
-                    help="directory for the plot (jpack-demo.png) and results.json")
-  demo.add_argument("--seed", type=int, default=0, help="data split, init and batch seed")
+                    help="directory for the plot (jpack-demo.png) and results.json; "
+                         "default ./%(default)s")
+  demo.add_argument("--seed", type=int, default=0,
+                    help="seed of the data split, init and batches; default %(default)s")
   demo.add_argument("--quick", action="store_true",
                     help=f"a fast run ({QUICK_STEPS} steps unless --steps is given)")
   demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+  demo.set_defaults(handler=_cmd_demo, subparser=demo)
 
   layout = sub.add_parser(
       "layout", help="print jpack.plan's bucket layout for a bundled workload",
       description="Print the bucket table jpack.plan builds for a workload (a JSON list "
-                  "of leaf shapes and dtypes: a bundled name or a path).",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                  "of leaf shapes and dtypes: a bundled name or a path).")
   layout.add_argument("workload", metavar="WORKLOAD",
                       help=f"one of {', '.join(_workload_names())}, or a .json path")
   layout.add_argument("--bucket-mib", type=_positive_float, default=None,
-                      help="bucket size cap in MiB (default: jpack's default, 4 MiB)")
+                      help="bucket size cap in MiB (default: jpack's own, 4 MiB)")
   layout.add_argument("--num-shards", type=_positive_int, default=1,
-                      help="pad buckets to split evenly over this many devices")
+                      help="pad buckets to split evenly over this many devices; "
+                           "default %(default)s")
   layout.add_argument("--leaves", action="store_true", help="also list every leaf")
+  layout.set_defaults(handler=_cmd_layout, subparser=layout)
   return parser
 
 
@@ -160,10 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command is None:
     parser.print_help()
     return 2
-  sub = parser._subparsers._group_actions[0].choices[args.command]  # for sub.error()
-  if args.command == "demo":
-    return _cmd_demo(args, sub)
-  return _cmd_layout(args, sub)
+  return args.handler(args, args.subparser)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,10 @@ def test_count_collectives():
   """
   assert count_collectives(hlo) == {"all-reduce": 3, "reduce-scatter": 1, "all-gather": 1}
   assert collective_arrays(hlo) == 6
+
+
+def test_missing_demo_extra_says_what_to_install(monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "sklearn", None)
+  monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+  assert cli.main(["demo", "--steps", "1", "--no-progress"]) == 1
+  assert "pip install 'jpack[demo]'" in capsys.readouterr().err

@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 def _label(name: str, w: c.Workload) -> str:
   if not w.subset:
     return name
-  return f"{name} ({w.num_leaves} lv, {w.num_elements / 1e6:.1f} M el)"
+  return f"{name} ({w.num_leaves} lv, {w.num_elements / 1e6:.2g} M el)"
 
 
 if __name__ == "__main__":

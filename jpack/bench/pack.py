@@ -10,9 +10,9 @@ plus ``jpack.plan`` (pure Python). Every function is compiled ahead of time
 (``jax.jit(f).lower(...).compile()``, lowering and compilation timed separately) and timed
 on its own with materialized outputs: XLA cancels ``unpack(pack(x))`` inside one jit.
 
-    python -m jpack.bench pack                       # everything (unpack of 4000 leaves compiles ~90 s)
+    python -m jpack.bench pack                       # everything (unpack of 4000 leaves: 90 s+ compile)
     python -m jpack.bench pack --skip-slow           # skip unpack/unravel above 1000 leaves
-    python -m jpack.bench pack --quick               # subsets, fewer runs (~1 min)
+    python -m jpack.bench pack --quick               # subsets of <= 300 leaves (~2 min)
     python -m jpack.bench pack --workloads resnet50,many_small_4000 --markdown pack.md
 """
 

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from jpack._layout import Layout, _dtype_name, _is_key_dtype
-from jpack._pack import Packed, pack, unpack
+from jpack._pack import Packed, _Buckets, pack, unpack
 
 AxisName = Any
 
@@ -31,7 +31,7 @@ METHODS = ("auto", "psum", "scatter_gather")
 
 
 @jax.tree_util.register_pytree_node_class
-class Shards:
+class Shards(_Buckets):
   """This device's equal slice of every bucket of a `Packed` (ZeRO-style sharding).
 
   Attributes:
@@ -39,23 +39,7 @@ class Shards:
     layout: the `Layout` of the full, unsharded buckets.
   """
 
-  __slots__ = ("buckets", "layout")
-
-  def __init__(self, buckets: tuple[Any, ...], layout: Layout):
-    self.buckets = tuple(buckets)
-    self.layout = layout
-
-  def tree_flatten(self):
-    return self.buckets, self.layout
-
-  @classmethod
-  def tree_unflatten(cls, layout, buckets):
-    return cls(buckets, layout)
-
-  def __repr__(self) -> str:
-    shapes = ", ".join(f"{getattr(b, 'dtype', '?')}[{','.join(map(str, getattr(b, 'shape', ())))}]"
-                       for b in self.buckets)
-    return f"Shards(layout={self.layout.fingerprint}, buckets=({shapes}))"
+  __slots__ = ()
 
 
 # -- reductions ------------------------------------------------------------------------
@@ -148,7 +132,8 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
   return result if was_packed else unpack(result)
 
 
-def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter):
+def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
+  """Reduce one bucket: psum, or psum_scatter (+ all_gather unless ``gather=False``)."""
   dtype = x.dtype
   floating = jnp.issubdtype(dtype, jnp.inexact)
   wire = comm_dtype if (floating and comm_dtype is not None) else dtype
@@ -164,7 +149,7 @@ def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter):
     else:
       y = y // n
   y = y.astype(dtype)
-  if scatter:
+  if scatter and gather:
     y = _all_gather(y, axis_name, axis=0, tiled=True)
   return y
 
@@ -261,16 +246,9 @@ def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
   _check_shardable(packed.layout, n)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int or not mean,
                    op="reduce_scatter")
-  out = []
-  for x in packed.buckets:
-    dtype = x.dtype
-    floating = jnp.issubdtype(dtype, jnp.inexact)
-    wire = comm_dtype if (floating and comm_dtype is not None) else dtype
-    y = lax.psum_scatter(x.astype(wire), axis_name, scatter_dimension=0, tiled=True)
-    if mean:
-      y = (y.astype(jnp.promote_types(dtype, wire)) / n) if floating else y // n
-    out.append(y.astype(dtype))
-  return Shards(tuple(out), packed.layout)
+  return Shards(tuple(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
+                                     scatter=True, gather=False)
+                      for x in packed.buckets), packed.layout)
 
 
 def all_gather(shards: Shards, axis_name: AxisName) -> Packed:

@@ -20,18 +20,9 @@ from jax import lax
 from jpack._layout import Layout, _dtype_name, _is_key_dtype, _storage_dtype, plan
 
 
-@jax.tree_util.register_pytree_node_class
-class Packed:
-  """A pytree packed into flat buckets.
-
-  A registered pytree: its children are the 1-D bucket arrays and its static data is the
-  `Layout`, so it flows through `jax.jit`, `jax.shard_map`, `jax.pmap`, `jax.grad` and
-  optax like any tree of arrays.
-
-  Attributes:
-    buckets: tuple of 1-D arrays, one per `layout.buckets` entry.
-    layout: the static `Layout`.
-  """
+class _Buckets:
+  """Pytree plumbing shared by `Packed` and `jpack.Shards`: children are the bucket
+  arrays, static data is the `Layout`."""
 
   __slots__ = ("buckets", "layout")
 
@@ -50,8 +41,24 @@ class Packed:
   def __repr__(self) -> str:
     def show(b):
       return f"{getattr(b, 'dtype', '?')}[{','.join(map(str, getattr(b, 'shape', ())))}]"
-    return (f"Packed(layout={self.layout.fingerprint}, "
+    return (f"{type(self).__name__}(layout={self.layout.fingerprint}, "
             f"buckets=({', '.join(show(b) for b in self.buckets)}))")
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed(_Buckets):
+  """A pytree packed into flat buckets.
+
+  A registered pytree: its children are the 1-D bucket arrays and its static data is the
+  `Layout`, so it flows through `jax.jit`, `jax.shard_map`, `jax.pmap`, `jax.grad` and
+  optax like any tree of arrays.
+
+  Attributes:
+    buckets: tuple of 1-D arrays, one per `layout.buckets` entry.
+    layout: the static `Layout`.
+  """
+
+  __slots__ = ()
 
 
 def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed:

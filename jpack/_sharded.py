@@ -18,7 +18,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jpack._collectives import Shards, _axis_size, all_gather, reduce_scatter, shard
+from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather,
+                                reduce_scatter, shard)
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import Inner, Labels, _check_inner, _group_fn_for, _labelled
@@ -97,7 +98,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   def init_fn(params):
     n = _axis_size(axis_name)
     layout = layout_for(params, n)
-    _check_layout(layout, n)
+    _check_shardable(layout, n)
     local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
     return ShardedState(_labelled(inner, layout).init(local.buckets), layout)
 
@@ -286,10 +287,3 @@ def _refuse_unshardable(inner: Any) -> None:
       visit(obj.func, depth + 1)
 
   visit(inner, 0)
-
-
-def _check_layout(layout: Layout, n: int) -> None:
-  for i, b in enumerate(layout.buckets):
-    if b.size % n:
-      raise ValueError(f"Bucket {i} has {b.size} elements, not divisible by {n} devices; "
-                       f"plan with num_shards={n}.")

@@ -63,7 +63,11 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   Use inside `jax.shard_map` / `jax.pmap` over ``axis_name``, on per-device (not yet
   averaged) gradients: do not put `allreduce` before it. ``update`` takes a tree, a
   `jpack.Packed`, or already reduced `jpack.Shards` (skips the reduce-scatter), and
-  returns updates of the same kind (`Shards` in -> full `Packed` out).
+  returns updates of the same kind (`Shards` in -> full `Packed` out). If both the
+  updates and ``params`` are `Shards` (this device's slices, from `jpack.shard`), the
+  updates come back as `Shards` without the all-gather: apply them to the slices and
+  `jpack.all_gather` the new params, which saves one full-size pass per step (this is
+  what ``jpack.data_parallel(mode="sharded")`` does).
 
   Args:
     inner: an elementwise optax transformation (sgd, momentum, adam, adamw, lion, a
@@ -110,11 +114,17 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       packed = updates if isinstance(updates, Packed) else pack(updates, layout)
       grads = reduce_scatter(packed, axis_name, mean=True, comm_dtype=comm_dtype)
     local_params = None
-    if params is not None:
+    if isinstance(params, Shards):
+      local_params = params.buckets
+    elif params is not None:
       packed_params = params if isinstance(params, Packed) else pack(params, layout)
       local_params = shard(packed_params, axis_name).buckets
     new, inner_state = _labelled(inner, layout).update(grads.buckets, state.inner_state,
                                                        local_params)
+    if isinstance(updates, Shards) and isinstance(params, Shards):
+      # The caller applies the updates to its slice and all-gathers the new params:
+      # one full-size pass fewer than gathering updates and adding them everywhere.
+      return Shards(tuple(new), layout), ShardedState(inner_state, layout)
     full = all_gather(Shards(tuple(new), layout), axis_name)
     if isinstance(updates, (Packed, Shards)):
       return full, ShardedState(inner_state, layout)

@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpack._collectives import broadcast, pmean, reduce_scatter, vary
+from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, shard, vary
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._sharded import ShardedState, sharded
@@ -115,12 +115,14 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
       sq = sum((jnp.sum(jnp.abs(g.astype(jnp.float32)) ** 2) for g in shards.buckets),
                jnp.float32(0))
       grad_norm = jnp.sqrt(lax.psum(sq, axis_name))
-      updates, opt_state = tx.update(shards, state.opt_state, state.params)
+      local = shard(state.params, axis_name)
+      updates, opt_state = tx.update(shards, state.opt_state, local)
+      params = all_gather(optax.apply_updates(local, updates), axis_name)
     else:
       grads = reduce_grads(grads)
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+      params = optax.apply_updates(state.params, updates)
     metrics = {"loss": lax.pmean(loss, axis_name), "grad_norm": grad_norm}
     return TrainState(params, opt_state, state.step + 1), metrics
 

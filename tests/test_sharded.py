@@ -31,6 +31,35 @@ def test_sharded_equals_replicated_over_100_steps(name, n):
   assert_trees_close(got, want, tol=5e-5)
 
 
+def test_shards_in_shards_out_then_gather_params_equals_replicated():
+  """update(Shards, state, Shards) skips the all-gather; gathering new params matches."""
+  n = 4
+  mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+  data = np.random.default_rng(1).normal(size=(n, 30, 3, 5)).astype(np.float32)
+  data = jax.device_put(data, NamedSharding(mesh, P("batch")))
+  tx = jpack.optax.sharded(optax.adamw(1e-2, weight_decay=0.1), "batch")
+
+  def body(params, data):
+    packed = jpack.pack(params, num_shards=n)
+    state = tx.init(packed)
+
+    def one(carry, x):
+      packed, state = carry
+      g = jax.grad(lambda p: loss(jpack.unpack(p), x))(jpack.vary(packed, "batch"))
+      local = jpack.shard(packed, "batch")
+      u, state = tx.update(jpack.reduce_scatter(g, "batch", mean=True), state, local)
+      assert isinstance(u, jpack.Shards)
+      return (jpack.all_gather(optax.apply_updates(local, u), "batch"), state), None
+
+    (packed, _), _ = jax.lax.scan(one, (packed, state), data[0])
+    return jpack.unpack(packed)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+  got = f(jax.device_put(params0(), NamedSharding(mesh, P())), data)
+  want = run(optax.adamw(1e-2, weight_decay=0.1), 30, reduce=per_leaf_pmean, n=n)
+  assert_trees_close(got, want, tol=5e-5)
+
+
 def test_global_norm_clipping_uses_the_whole_gradient():
   clip = 0.05  # small: clipping is active on every step
   got = run(jpack.optax.sharded(optax.chain(jpack.optax.clip_by_global_norm(clip, "batch"),

@@ -1,0 +1,277 @@
+"""A whole data-parallel adam step on 8 forced CPU devices: jpack vs per-leaf, in one run.
+
+Every variant is `jpack.data_parallel` (shard_map over ``("batch",)``, inputs placed with
+``NamedSharding``, state donated) on the same model, batch and initial parameters:
+
+  per-leaf      per-leaf ``lax.pmean`` of the gradients + optax.adam (the baseline)
+  ravel         ``ravel_pytree`` + one pmean + unravel, optax.adam
+  optax.flatten per-leaf pmean + ``optax.flatten(optax.adam)``
+  allreduce     ``optax.chain(jpack.optax.allreduce, adam)`` semantics: params a tree,
+                gradients packed into buckets, one collective per bucket, unpacked
+  packed        persistent packed params: the loss unpacks them, gradients arrive packed,
+                adam updates the buckets (no per-step pack)
+  packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
+  sharded       ZeRO-1: ``jpack.optax.sharded(adam)`` on packed params
+
+Reported per variant: compile time (lower + compile of the step), median step time over
+several timed blocks of steps, speed-up over per-leaf (the issue's ratio), collectives in
+the compiled step (AR all-reduce, RS reduce-scatter, AG all-gather) and their bytes,
+optimizer-state bytes per device, and the largest parameter difference from the per-leaf
+variant after the same steps (a sanity check: every variant is the same optimizer).
+
+    python -m jpack.bench step                  # mlp_40x256 and resnet50-sized (~6 min)
+    python -m jpack.bench step --quick          # mlp_40x256 only, fewer steps (~2 min)
+    python -m jpack.bench step --models mlp_400x32 --markdown step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jpack
+from jpack.bench import _common as c
+
+NUM_DEVICES = 8
+AXIS = "batch"
+PER_DEVICE_BATCH = 16
+
+# Goals from the issues (step-time speed-up over the per-leaf step, same run).
+GOALS = {("mlp_40x256", "allreduce"): 1.0, ("mlp_40x256", "packed"): 1.0,
+         ("mlp_40x256", "sharded"): 2.5, ("resnet50", "allreduce"): 1.0,
+         ("resnet50", "packed"): 1.0, ("resnet50", "sharded"): 1.5}
+
+VARIANTS = {
+    # key: (label, data_parallel mode, wrap the optimizer in optax.flatten, comm dtype)
+    "per_leaf": ("per-leaf pmean", "per_leaf", False, None),
+    "ravel": ("ravel_pytree", "ravel", False, None),
+    "flatten": ("optax.flatten", "per_leaf", True, None),
+    "allreduce": ("jpack allreduce", "allreduce", False, None),
+    "packed": ("jpack packed", "packed", False, None),
+    "packed_bf16": ("jpack packed bf16", "packed", False, jnp.bfloat16),
+    "sharded": ("jpack sharded", "sharded", False, None),
+}
+
+
+# -- models ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Model:
+  name: str
+  describe: str
+  params: Any                       # numpy tree (host), initial parameters
+  loss: Callable[[Any, Any], jax.Array]
+  batch: Callable[[int], Any]       # global batch size -> numpy batch
+
+  @property
+  def num_leaves(self) -> int:
+    return len(jax.tree.leaves(self.params))
+
+  @property
+  def num_params(self) -> int:
+    return sum(np.size(x) for x in jax.tree.leaves(self.params))
+
+
+def mlp(depth: int, width: int, seed: int = 0) -> Model:
+  """``depth`` layers of ``tanh((h @ w + b) * scale + shift)``: 4 leaves per layer."""
+  rng = np.random.default_rng(seed)
+  layers = [{"w": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+             "b": np.zeros(width, np.float32), "scale": np.ones(width, np.float32),
+             "shift": np.zeros(width, np.float32)} for _ in range(depth)]
+
+  def loss(params, batch):
+    x, y = batch
+    h = x
+    for layer in params["layers"]:
+      h = jnp.tanh((h @ layer["w"] + layer["b"]) * layer["scale"] + layer["shift"])
+    return jnp.mean((h - y) ** 2)
+
+  def batch(n):
+    r = np.random.default_rng(seed + 1)
+    return (r.standard_normal((n, width)).astype(np.float32),
+            r.standard_normal((n, width)).astype(np.float32))
+
+  return Model(f"mlp_{depth}x{width}", f"MLP {depth}x{width}", {"layers": layers}, loss, batch)
+
+
+def shape_table(name: str, seed: int = 0) -> Model:
+  """A packaged workload's parameter table with a cheap per-leaf quadratic loss.
+
+  The loss touches every parameter once (``mean((p - c)^2)`` per leaf, ``c`` from the
+  batch), so the step is dominated by what jpack changes: gradient communication and the
+  optimizer update over the real leaf sizes.
+  """
+  w = c.load_workload(name)
+  rng = np.random.default_rng(seed)
+  params = {k: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype)
+            for k, s in w.shapes.items()}
+
+  def loss(params, batch):
+    target = jnp.mean(batch)
+    return sum(jnp.mean((p.astype(jnp.float32) - target) ** 2) for p in jax.tree.leaves(params))
+
+  def batch(n):
+    return np.random.default_rng(seed + 1).standard_normal((n, 4)).astype(np.float32)
+
+  return Model(name, f"{name} shapes, quadratic loss", params, loss, batch)
+
+
+MODELS = {
+    "mlp_40x256": lambda: mlp(40, 256),
+    "resnet50": lambda: shape_table("resnet50"),
+    "mlp_24x1024": lambda: mlp(24, 1024),
+    "mlp_400x32": lambda: mlp(400, 32),
+}
+DEFAULT_MODELS = ("mlp_40x256", "resnet50")
+
+
+# -- measuring -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+  key: str
+  compiled: c.Compiled
+  step_s: float
+  colls: c.Collectives
+  opt_bytes: int
+  params: Any  # final params, host numpy tree
+  loss: float
+
+
+def _bytes_per_device(tree: Any) -> int:
+  """Bytes that device 0 holds for ``tree`` (a replicated leaf counts fully)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shards = getattr(x, "addressable_shards", None)
+    total += shards[0].data.nbytes if shards else np.asarray(x).nbytes
+  return total
+
+
+def _run(model: Model, key: str, mesh, batch, *, steps: int, blocks: int) -> Result:
+  _, mode, use_flatten, comm_dtype = VARIANTS[key]
+  opt = optax.adam(1e-3)
+  if use_flatten:
+    opt = optax.flatten(opt)
+  dp = jpack.data_parallel(model.loss, opt, model.params, mesh, axis_name=AXIS, mode=mode,
+                           comm_dtype=comm_dtype)
+  state = jax.block_until_ready(dp.init(model.params))
+  compiled = c.compile_fn(dp.step, state, batch, jit_kwargs={"donate_argnums": 0})
+  step = compiled.fn
+  state, metrics = step(state, batch)  # warm-up
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(blocks):
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      state, metrics = step(state, batch)
+    jax.block_until_ready(state)
+    times.append((time.perf_counter() - t0) / steps)
+  opt_bytes = _bytes_per_device(state.opt_state)
+  params = jax.tree.map(np.asarray, dp.params(state))
+  return Result(key, compiled, statistics.median(times), c.count_collectives(compiled.text()),
+                opt_bytes, params, float(metrics["loss"]))
+
+
+def _max_diff(a: Any, b: Any) -> float:
+  return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)) if np.size(x)),
+             default=0.0)
+
+
+def _coll_bytes(colls: c.Collectives) -> str:
+  total = sum(colls.result_bytes.values())
+  return c.human_bytes(total) if total else "-"
+
+
+def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: int,
+                blocks: int, per_device_batch: int = PER_DEVICE_BATCH) -> dict[str, Result]:
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  batch = jax.device_put(model.batch(per_device_batch * NUM_DEVICES),
+                         NamedSharding(mesh, P(AXIS)))
+  layout = jpack.plan(model.params, num_shards=NUM_DEVICES)
+  print(f"\n-- {model.describe}: {model.num_leaves} leaves, {model.num_params / 1e6:.2f} M "
+        f"params, {len(layout.buckets)} buckets; global batch "
+        f"{per_device_batch * NUM_DEVICES}; {blocks} x {steps} timed steps", flush=True)
+  results: dict[str, Result] = {}
+  for key in variants:
+    print(f"   {VARIANTS[key][0]} ...", end="", flush=True)
+    results[key] = r = _run(model, key, mesh, batch, steps=steps, blocks=blocks)
+    print(f" compile {c.fmt_s(r.compiled.total_s)} s, step {c.fmt_ms(r.step_s)} ms", flush=True)
+
+  base = results.get("per_leaf")
+  table = c.Table(["variant", "compile s", "step ms", "speed-up", "goal", "collectives",
+                   "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf"],
+                  title=f"{model.describe} ({model.num_leaves} leaves, "
+                        f"{model.num_params / 1e6:.2f} M params), adam, {NUM_DEVICES} devices")
+  for key, r in results.items():
+    speedup = c.ratio(base.step_s, r.step_s) if base else None
+    goal = GOALS.get((model.name, key))
+    verdict = "" if goal is None or speedup is None else (
+        f">={goal:g}x {c.verdict(speedup >= goal)}")
+    diff = "-" if key == "per_leaf" or base is None else f"{_max_diff(r.params, base.params):.1e}"
+    table.add(VARIANTS[key][0], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
+              c.fmt_ratio(speedup), verdict, r.colls.short(), _coll_bytes(r.colls),
+              c.human_bytes(r.opt_bytes), diff)
+  report.table(table)
+  return results
+
+
+def main(argv: list[str] | None = None) -> int:
+  c.set_cpu_devices(NUM_DEVICES)  # before anything creates an array
+  parser = argparse.ArgumentParser(prog="python -m jpack.bench step", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", default="",
+                      help=f"comma-separated subset of {', '.join(MODELS)} "
+                           f"(default: {', '.join(DEFAULT_MODELS)})")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help=f"comma-separated subset of {', '.join(VARIANTS)}")
+  parser.add_argument("--quick", action="store_true", help="mlp_40x256 only, 3 x 5 steps")
+  parser.add_argument("--steps", type=int, default=None, help="steps per timed block (default 10)")
+  parser.add_argument("--blocks", type=int, default=None, help="timed blocks (median; default 5)")
+  parser.add_argument("--batch", type=int, default=PER_DEVICE_BATCH,
+                      help=f"per-device batch (default {PER_DEVICE_BATCH})")
+  parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+  args = parser.parse_args(argv)
+  c.require_devices(NUM_DEVICES)
+
+  names = [n for n in args.models.split(",") if n] or (
+      ["mlp_40x256"] if args.quick else list(DEFAULT_MODELS))
+  unknown = set(names) - set(MODELS)
+  if unknown:
+    raise SystemExit(f"Unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
+  variants = [v for v in args.variants.split(",") if v]
+  unknown = set(variants) - set(VARIANTS)
+  if unknown:
+    raise SystemExit(f"Unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+  steps = args.steps or (5 if args.quick else 10)
+  blocks = args.blocks or (3 if args.quick else 5)
+
+  report = c.Report("jpack data-parallel step benchmark")
+  c.banner("jpack.bench step", [
+      f"{NUM_DEVICES} CPU devices, jpack.data_parallel (shard_map over ('{AXIS}',)), "
+      f"optax.adam(1e-3), per-device batch {args.batch}; step time = median of "
+      f"{blocks} blocks of {steps} steps"])
+  for name in names:
+    bench_model(MODELS[name](), variants, report, steps=steps, blocks=blocks,
+                per_device_batch=args.batch)
+  report.text("speed-up = per-leaf step time / variant step time (same run). Collectives: "
+              "AR all-reduce, RS reduce-scatter, AG all-gather ops in the compiled step, "
+              "bytes = their result bytes.")
+  report.write_markdown(args.markdown)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -295,12 +295,13 @@ def plan(
     path = jax.tree_util.keystr(key_path)
     shape, dtype = _shape_dtype(path, leaf)
     paths[i], shapes[i], dtypes[i] = path, shape, dtype
-    sizes[i] = math.prod(shape) * _key_words(dtype)
+    sizes[i] = math.prod(shape) * _words(dtype)
 
   first_cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
   # group -> [bucket index, fill in elements, leaf count] of the open bucket.
   open_buckets: dict[Any, list[int]] = {}
   first_bucket: dict[Any, int] = {}
+  group_storage: dict[Any, tuple[np.dtype, int]] = {}
   members: list[list[int]] = []
   fills: list[int] = []
   groups: list[tuple[str, Hashable]] = []
@@ -317,9 +318,10 @@ def plan(
       raw = group_fn(paths[i], path_leaves[i][1])
       label = None if raw is None else str(raw)
     group = (dtype, label)
-    sdtype = _storage_dtype(dtype)
-    align = _align_elements(align_bytes, sdtype.itemsize)
     state = open_buckets.get(group)
+    sdtype, align = group_storage.get(group) or group_storage.setdefault(
+        group, (_storage_dtype(dtype), _align_elements(align_bytes,
+                                                       _storage_dtype(dtype).itemsize)))
     if state is not None:
       b, fill, count = state
       start = -(-fill // align) * align
@@ -393,6 +395,17 @@ def _key_words(dtype: Any) -> int:
   return 1
 
 
+_WORDS: dict[Any, int] = {}
+
+
+def _words(dtype: Any) -> int:
+  """`_key_words`, memoized per dtype (plan calls it once per leaf)."""
+  words = _WORDS.get(dtype)
+  if words is None:
+    words = _WORDS[dtype] = _key_words(dtype)
+  return words
+
+
 def _key_impl_name(dtype: Any) -> str:
   return dtype._impl.name
 
@@ -404,29 +417,57 @@ def _align_elements(align_bytes: int, itemsize: int) -> int:
 _SCALAR_TYPES = (bool, int, float, complex)
 
 
+# Leaf types known to be arrays: checking type() membership first keeps `plan` at a few
+# microseconds per leaf (isinstance against the jax.Array ABC is slow).
+_ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct}
+
+
 def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
   """Shape and dtype of a leaf, or a TypeError naming its path."""
-  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
-    dtype = leaf.dtype
+  kind = type(leaf)
+  if kind in _ARRAY_TYPES:
+    pass
+  elif isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    if isinstance(leaf, jax.Array):
+      _ARRAY_TYPES.add(kind)
   elif isinstance(leaf, _SCALAR_TYPES):
-    dtype = jnp.asarray(leaf).dtype
-    return (), dtype
+    return (), jnp.asarray(leaf).dtype
   else:
     raise TypeError(
         f"Leaf at {path or '<root>'} is a {type(leaf).__name__}, not an array: jpack packs "
         "jax/numpy arrays, Python scalars and jax.ShapeDtypeStruct. Convert it, or mark "
         "it static (e.g. keep it out of the tree or use None).")
-  if not _is_key_dtype(dtype):
-    dtype = np.dtype(dtype)
-    if dtype.kind not in "biufcV":  # "V": ml_dtypes' bfloat16, float8_*, int4, ...
-      raise TypeError(f"Leaf at {path or '<root>'} has dtype {dtype}, which jpack "
-                        "cannot pack; expected a bool, integer, float or complex dtype.")
-    if isinstance(leaf, (np.ndarray, np.generic)) and dtype != jax.dtypes.canonicalize_dtype(dtype):
+  dtype = _checked_dtype(leaf.dtype, path)
+  if kind is np.ndarray or isinstance(leaf, np.generic):
+    canonical = jax.dtypes.canonicalize_dtype(dtype)
+    if dtype != canonical:
       raise TypeError(
           f"Leaf at {path or '<root>'} is a numpy {dtype} array, which JAX would silently "
-          f"turn into {jax.dtypes.canonicalize_dtype(dtype)} (64-bit types are disabled). "
-          "Cast it explicitly, or enable jax_enable_x64.")
-  return tuple(int(d) for d in leaf.shape), dtype
+          f"turn into {canonical} (64-bit types are disabled). Cast it explicitly, or "
+          "enable jax_enable_x64.")
+  return tuple(map(int, leaf.shape)), dtype
+
+
+_CHECKED_DTYPES: dict[Any, Any] = {}
+
+
+def _checked_dtype(dtype: Any, path: str) -> Any:
+  """``dtype`` as a numpy dtype (PRNG key dtypes unchanged), or a TypeError naming the path."""
+  try:
+    return _CHECKED_DTYPES[dtype]
+  except (KeyError, TypeError):
+    pass
+  checked = dtype
+  if not _is_key_dtype(dtype):
+    checked = np.dtype(dtype)
+    if checked.kind not in "biufcV":  # "V": ml_dtypes' bfloat16, float8_*, int4, ...
+      raise TypeError(f"Leaf at {path or '<root>'} has dtype {checked}, which jpack "
+                      "cannot pack; expected a bool, integer, float or complex dtype.")
+  try:
+    _CHECKED_DTYPES[dtype] = checked
+  except TypeError:  # pragma: no cover - an unhashable dtype-like
+    pass
+  return checked
 
 
 def _dtype_name(dtype: Any) -> str:

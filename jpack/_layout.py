@@ -29,6 +29,10 @@ DEFAULT_BUCKET_BYTES = 4 * 2**20
 DEFAULT_MAX_LEAVES = 512
 # CUDA's allocation alignment; keeps every leaf on its own cache-line / vector boundary.
 DEFAULT_ALIGN_BYTES = 256
+# Opt-in: leaves of at least `solo_bytes` get a bucket of their own, so packing them is a
+# free reshape instead of a copy. Off by default: on the CPU benchmarks it did not change
+# step times measurably (see docs/performance.md); try ~1 MiB where copies are costly.
+DEFAULT_SOLO_BYTES: int | None = None
 
 GroupFn = Callable[[str, Any], Hashable]
 
@@ -252,6 +256,7 @@ def plan(
     num_shards: int = 1,
     reverse: bool = True,
     group_fn: GroupFn | None = None,
+    solo_bytes: int | None = DEFAULT_SOLO_BYTES,
 ) -> Layout:
   """Plan how to pack ``tree`` into per-dtype, aligned flat buckets.
 
@@ -273,6 +278,9 @@ def plan(
       share a bucket (e.g. to give weight-decayed and non-decayed parameters separate
       buckets). ``path`` is the `jax.tree_util.keystr` of the leaf. Labels are compared
       and stored as ``str(label)`` (``None`` stays ``None``).
+    solo_bytes: a leaf of at least this many bytes gets a bucket of its own (packing it
+      is then a reshape, not a copy); the open bucket of its group stays open for the
+      next leaves. ``None`` to pack big leaves with others like any leaf.
 
   Returns:
     A hashable `Layout`.
@@ -284,7 +292,8 @@ def plan(
     >>> [(b.dtype.name, b.size) for b in layout.buckets]
     [('int32', 4), ('float32', 16)]
   """
-  _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards)
+  _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
+                 solo_bytes)
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   n = len(path_leaves)
   paths: list[str] = [""] * n
@@ -318,10 +327,11 @@ def plan(
       raw = group_fn(paths[i], path_leaves[i][1])
       label = None if raw is None else str(raw)
     group = (dtype, label)
-    state = open_buckets.get(group)
     sdtype, align = group_storage.get(group) or group_storage.setdefault(
         group, (_storage_dtype(dtype), _align_elements(align_bytes,
                                                        _storage_dtype(dtype).itemsize)))
+    solo = solo_bytes is not None and sizes[i] * sdtype.itemsize >= solo_bytes
+    state = None if solo else open_buckets.get(group)
     if state is not None:
       b, fill, count = state
       start = -(-fill // align) * align
@@ -336,8 +346,10 @@ def plan(
       fills.append(0)
       groups.append(group)
       storage.append(sdtype)
-      state = open_buckets[group] = [b, 0, 0]
-      first_bucket.setdefault(group, b)
+      state = [b, 0, 0]
+      if not solo:
+        open_buckets[group] = state
+        first_bucket.setdefault(group, b)
       start = 0
     b = state[0]
     offsets[i], bucket_of[i] = start, b
@@ -360,7 +372,8 @@ def plan(
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards):
+def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
+                   solo_bytes=None):
   def positive_int(name, value, allow_none=False):
     if value is None and allow_none:
       return
@@ -372,6 +385,7 @@ def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, nu
   positive_int("max_leaves", max_leaves, allow_none=True)
   positive_int("align_bytes", align_bytes)
   positive_int("num_shards", num_shards)
+  positive_int("solo_bytes", solo_bytes, allow_none=True)
   if align_bytes & (align_bytes - 1):
     raise ValueError(f"align_bytes must be a power of two, got {align_bytes}; "
                      "try 256 (CUDA's allocation alignment) or 64 (a cache line).")

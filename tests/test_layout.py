@@ -105,6 +105,23 @@ def test_leaf_bigger_than_cap_gets_its_own_bucket():
       [(2,)], [(100,)], [(2,)]]
 
 
+def test_solo_bytes_gives_big_leaves_their_own_bucket_and_keeps_small_ones_together():
+  # f32: 40 B, 400 B, 40 B, 800 B, 40 B. With solo_bytes=400 the two big leaves are alone
+  # and the three small ones share one bucket (it stays open across the big ones).
+  tree = [sds(10), sds(100), sds(10), sds(200), sds(10)]
+  layout = jpack.plan(tree, align_bytes=4, solo_bytes=400, reverse=False)
+  assert [[layout.slots[j].shape for j in b.slots] for b in layout.buckets] == [
+      [(10,), (10,), (10,)], [(100,)], [(200,)]]
+  big = layout.buckets[layout.slots[1].bucket]
+  assert big.size == 100 and layout.slots[1].offset == 0  # no padding: a free reshape
+  # Off (the default): everything shares the one open bucket.
+  assert len(jpack.plan(tree, align_bytes=4, reverse=False).buckets) == 1
+  back = jpack.unpack(jpack.pack([np.arange(np.prod(s.shape), dtype=np.float32)
+                                  for s in tree], layout))
+  for i, s in enumerate(tree):
+    np.testing.assert_array_equal(back[i], np.arange(np.prod(s.shape), dtype=np.float32))
+
+
 def test_group_fn_separates_labels():
   tree = {"dense": {"kernel": sds(4, 4), "bias": sds(4)}, "norm": {"scale": sds(4)}}
   layout = jpack.plan(tree, group_fn=lambda path, leaf: "decay" if len(leaf.shape) > 1
@@ -232,6 +249,7 @@ def test_plan_rules_hold_for_random_trees(tree, bucket_bytes, max_leaves, first,
     (dict(align_bytes=3), "power of two"),
     (dict(align_bytes=0), "align_bytes"),
     (dict(num_shards=0), "num_shards"),
+    (dict(solo_bytes=0), "solo_bytes"),
 ])
 def test_invalid_options_raise_value_error(options, match):
   with pytest.raises(ValueError, match=match):

@@ -1,0 +1,59 @@
+"""The benchmarks run and print their tables (tiny sizes; no timing is asserted here).
+
+Each runs in a subprocess, as users run them: the collective benchmarks set up 8 CPU
+devices before JAX starts. The step benchmark doubles as a check that every training mode
+ends where the per-leaf baseline ends.
+"""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(*args: str, timeout: int = 600) -> str:
+  out = subprocess.run([sys.executable, "-m", "jpack.bench", *args], capture_output=True,
+                       text=True, timeout=timeout)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+  return [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()
+          if line.startswith(first_cell)]
+
+
+@pytest.mark.timeout(600)
+def test_step_benchmark_every_mode_matches_per_leaf():
+  text = bench("step", "--models", "mlp_4x32", "--steps", "2", "--blocks", "1")
+  assert "machine:" in text and "speed-up" in text
+  labels = ["ravel_pytree", "optax.flatten", "jpack allreduce", "jpack packed",
+            "jpack sharded"]
+  for label in labels:
+    rows = [r for r in table_rows(text, label) if r[0] == label]
+    assert rows, f"no row {label!r} in\n{text}"
+    max_diff = float(rows[-1][-1])  # last column: max |params - per-leaf params|
+    assert max_diff < 1e-5, (label, max_diff)
+  bf16 = [r for r in table_rows(text, "jpack packed bf16")][-1]
+  assert float(bf16[-1]) < 1e-2  # bf16 wire: rounded gradients, same optimizer
+
+
+@pytest.mark.timeout(600)
+def test_pack_benchmark_prints_its_table():
+  text = bench("pack", "--workloads", "mixed_llama_tiny", "--max-leaves", "20", "--runs", "2",
+               "--plan-runs", "2")
+  assert "mixed_llama_tiny" in text and "unpack" in text
+
+
+@pytest.mark.timeout(600)
+def test_collectives_benchmark_prints_its_table():
+  text = bench("collectives", "--workloads", "resnet50", "--max-leaves", "20", "--runs", "2",
+               "--no-sweep")
+  assert "per-leaf pmean" in text and "jpack s+g" in text
+
+
+def test_unknown_benchmark_is_a_clear_error():
+  out = subprocess.run([sys.executable, "-m", "jpack.bench", "nope"], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 2 and "Unknown benchmark" in out.stdout

@@ -249,6 +249,7 @@ def time_python(f: Callable, *args: Any, runs: int = 20) -> Timing:
 _COLLECTIVE_RE = re.compile(
     r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>all-reduce|reduce-scatter|all-gather)(?P<start>-start)?\(")
+_INDEX_COMMENT_RE = re.compile(r"/\*index=\d+\*/")
 _SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 _HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -279,6 +280,7 @@ def count_collectives(hlo_text: str) -> Collectives:
   count = {k: 0 for k in COLLECTIVE_OPS}
   nbytes = {k: 0 for k in COLLECTIVE_OPS}
   for line in hlo_text.splitlines():
+    line = _INDEX_COMMENT_RE.sub("", line)  # long tuples carry /*index=N*/ markers
     m = _COLLECTIVE_RE.search(line)
     if not m:
       # Fallback: a form the regex does not parse still counts.

@@ -8,6 +8,7 @@ static (hashable) argument without retracing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import html
 import json
@@ -304,7 +305,7 @@ def plan(
     path = jax.tree_util.keystr(key_path)
     shape, dtype = _shape_dtype(path, leaf)
     paths[i], shapes[i], dtypes[i] = path, shape, dtype
-    sizes[i] = math.prod(shape) * _words(dtype)
+    sizes[i] = math.prod(shape) * _key_words(dtype)
 
   first_cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
   # group -> [bucket index, fill in elements, leaf count] of the open bucket.
@@ -327,9 +328,11 @@ def plan(
       raw = group_fn(paths[i], path_leaves[i][1])
       label = None if raw is None else str(raw)
     group = (dtype, label)
-    sdtype, align = group_storage.get(group) or group_storage.setdefault(
-        group, (_storage_dtype(dtype), _align_elements(align_bytes,
-                                                       _storage_dtype(dtype).itemsize)))
+    facts = group_storage.get(group)
+    if facts is None:
+      sdtype = _storage_dtype(dtype)
+      facts = group_storage[group] = (sdtype, _align_elements(align_bytes, sdtype.itemsize))
+    sdtype, align = facts
     solo = solo_bytes is not None and sizes[i] * sdtype.itemsize >= solo_bytes
     state = None if solo else open_buckets.get(group)
     if state is not None:
@@ -402,22 +405,12 @@ def _storage_dtype(dtype: Any) -> np.dtype:
   return np.dtype(dtype)
 
 
+@functools.lru_cache(maxsize=None)  # plan calls it once per leaf
 def _key_words(dtype: Any) -> int:
   """uint32 words per element: a PRNG key holds several, an ordinary dtype one."""
   if _is_key_dtype(dtype):
     return math.prod(dtype._impl.key_shape)
   return 1
-
-
-_WORDS: dict[Any, int] = {}
-
-
-def _words(dtype: Any) -> int:
-  """`_key_words`, memoized per dtype (plan calls it once per leaf)."""
-  words = _WORDS.get(dtype)
-  if words is None:
-    words = _WORDS[dtype] = _key_words(dtype)
-  return words
 
 
 def _key_impl_name(dtype: Any) -> str:

@@ -137,6 +137,75 @@ def test_comm_dtype_wire_is_visible_in_compiled_program():
   assert "bf16" in fn(jnp.bfloat16) and "bf16" not in fn(None)
 
 
+def _collective_bytes(hlo_text):
+  """Bytes each device puts into its collectives (a reduce-scatter's input is N results)."""
+  import re
+  itemsize = {"f32": 4, "bf16": 2, "f16": 2, "u16": 2, "s32": 4, "u32": 4, "f64": 8}
+  total = 0
+  for line in hlo_text.splitlines():
+    m = re.search(r"= (.*?) (all-to-all|all-gather|reduce-scatter|all-reduce)(-start)?\(",
+                  line)
+    if m:
+      scale = N if m.group(2) == "reduce-scatter" else 1
+      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+        total += scale * itemsize[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total
+
+
+@pytest.mark.parametrize("use_pmap", [False, True])
+def test_bf16_wire_halves_compiled_collective_bytes_and_accumulates_wide(use_pmap):
+  # XLA:CPU widens bf16 collectives to f32; jpack's narrow wire must survive compilation.
+  rng = np.random.default_rng(7)
+  tree = {"w": rng.normal(size=(N, 4096)).astype(np.float32),
+          "b": rng.normal(size=(N, 100)).astype(np.float32)}
+
+  def fn(wire):
+    return lambda t: jpack.pmean(t, "batch", comm_dtype=wire)
+
+  if use_pmap:
+    compiled = lambda wire: jax.pmap(fn(wire), axis_name="batch").lower(tree).compile()
+  else:
+    m = mesh()
+    placed = jax.device_put(tree, NamedSharding(m, P("batch")))
+    body = lambda wire: lambda t: fn(wire)(jax.tree.map(lambda x: x[0], t))
+    compiled = lambda wire: jax.jit(jax.shard_map(
+        body(wire), mesh=m, in_specs=P("batch"), out_specs=P())).lower(placed).compile()
+  f32_bytes = _collective_bytes(compiled(None).as_text())
+  bf16_bytes = _collective_bytes(compiled(jnp.bfloat16).as_text())
+  assert f32_bytes > 0 and bf16_bytes * 2 == f32_bytes
+
+  got = (run_pmap if use_pmap else run_shard_map)(fn(jnp.bfloat16), tree)
+  for k, x in tree.items():
+    # Reference: each device's values rounded to bf16, averaged in float64, rounded once.
+    sent = np.asarray(x.astype(jnp.bfloat16), np.float64)
+    want = sent.mean(0)
+    assert got[k].dtype == np.float32
+    np.testing.assert_allclose(np.asarray(got[k], np.float64), want,
+                               rtol=2**-8, atol=1e-6)
+
+
+def test_reduce_scatter_with_bf16_wire_keeps_the_wide_sum():
+  rng = np.random.default_rng(8)
+  tree = {"w": rng.normal(size=(N, 1024)).astype(np.float32)}
+  layout = jpack.plan(jax.tree.map(lambda x: x[0], tree), num_shards=N)
+
+  def fn(t):
+    shards = jpack.reduce_scatter(t, "batch", comm_dtype=jnp.bfloat16, layout=layout)
+    return jpack.unpack(jpack.all_gather(shards, "batch"))
+
+  got = run_shard_map(fn, tree)
+  want = np.asarray(tree["w"].astype(jnp.bfloat16), np.float64).sum(0)
+  # The shards are not rounded to the wire again after summing: f32 accuracy.
+  np.testing.assert_allclose(np.asarray(got["w"], np.float64), want, rtol=1e-6, atol=1e-5)
+
+
+def test_complex_leaves_ignore_a_real_wire_dtype():
+  rng = np.random.default_rng(9)
+  z = (rng.normal(size=(N, 6)) + 1j * rng.normal(size=(N, 6))).astype(np.complex64)
+  got = run_shard_map(lambda t: jpack.psum(t, "batch", comm_dtype=jnp.bfloat16), {"z": z})
+  np.testing.assert_allclose(got["z"], z.sum(0), rtol=1e-5, atol=1e-5)
+
+
 def test_broadcast_is_bit_exact_for_every_dtype_and_root():
   rng = np.random.default_rng(2)
   tree = per_device_tree(rng, [((3,), np.float32), ((2, 2), jnp.bfloat16), ((4,), np.int8),

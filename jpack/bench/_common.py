@@ -248,14 +248,14 @@ def time_python(f: Callable, *args: Any, runs: int = 20) -> Timing:
 
 _COLLECTIVE_RE = re.compile(
     r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>all-reduce|reduce-scatter|all-gather)(?P<start>-start)?\(")
+    r"(?P<op>all-reduce|reduce-scatter|all-gather|all-to-all)(?P<start>-start)?\(")
 _INDEX_COMMENT_RE = re.compile(r"/\*index=\d+\*/")
 _SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 _HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
               "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
 
-COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather")
+COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 
 
 @dataclasses.dataclass
@@ -266,13 +266,13 @@ class Collectives:
   result_bytes: dict[str, int]
 
   def short(self) -> str:
-    abbrev = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG"}
+    abbrev = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A"}
     parts = [f"{abbrev[k]}{self.count[k]}" for k in COLLECTIVE_OPS if self.count[k]]
     return " ".join(parts) or "-"
 
 
 def count_collectives(hlo_text: str) -> Collectives:
-  """Count ``all-reduce(``, ``reduce-scatter(``, ``all-gather(`` (and ``-start`` forms).
+  """Count ``all-reduce(``, ``reduce-scatter(``, ``all-gather(``, ``all-to-all(`` (and ``-start`` forms).
 
   Also sums the bytes of each op's result type (a tuple all-reduce counts all its
   elements; for async ``-start`` ops the bytes are not counted).

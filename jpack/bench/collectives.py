@@ -9,6 +9,8 @@ in_specs=P("batch"), out_specs=P()))`` on a tree whose leaves carry a leading ax
   jpack psum     ``jpack.pmean(method="psum")``: one all-reduce per bucket
   jpack s+g      ``jpack.pmean(method="scatter_gather")`` (= the default "auto" here)
   jpack bf16     ``jpack.pmean(comm_dtype=jnp.bfloat16)``: bf16 on the wire
+  jpack Packed   ``jpack.pmean`` of a `jpack.Packed` (gradients already in buckets, as with
+                 persistent packed params): buckets in, buckets out, no pack or unpack
   floor          one pmean of a single f32 array with the tree's bytes
   x*2 local      per-leaf ``x * 2`` (no communication): the per-buffer cost of N outputs
 
@@ -54,14 +56,15 @@ VARIANTS = {
     "jpack_psum": "jpack psum",
     "jpack_sg": "jpack s+g",
     "jpack_bf16": "jpack bf16 wire",
+    "jpack_packed": "jpack s+g Packed",
     "floor": "floor (1 array)",
     "x2": "x*2 local",
 }
-GOAL_VARIANTS = ("jpack_psum", "jpack_sg")
+GOAL_VARIANTS = ("jpack_psum", "jpack_sg", "jpack_packed")
 # Above --slow-leaves leaves only these run by default: every jpack variant (and ravel's
 # unravel) returns N slices, and XLA:CPU compiles one kernel per output slice (~90 s or
 # more at 4000 leaves). --all-variants runs everything.
-SLOW_VARIANTS = ("per_leaf", "jpack_sg", "floor")
+SLOW_VARIANTS = ("per_leaf", "jpack_sg", "jpack_packed", "floor")
 # Left out of the default run (its per-leaf pmean alone compiles ~90 s, jpack's unpack of
 # 4000 slices several minutes): --full, or name it in --workloads.
 FULL_ONLY = ("many_small_4000",)
@@ -136,10 +139,19 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...]
   results: dict[str, Result] = {}
   fns = bodies(layout)
   for key in variants:
-    if key == "floor":
+    if key in ("floor", "jpack_packed"):
       continue
     body, out_specs = fns[key]
     results[key] = bench.measure(key, VARIANTS[key], bench.smap(body, out_specs), tree)
+  if "jpack_packed" in variants:
+    # Gradients that are already buckets (persistent packed params): packed outside the
+    # timed call, reduced bucket by bucket, returned as buckets.
+    packed = bench.smap(lambda t: jax.tree.map(lambda b: b[None], jpack.pack(_local(t), layout)),
+                        P(AXIS))(tree)
+    results["jpack_packed"] = bench.measure(
+        "jpack_packed", VARIANTS["jpack_packed"],
+        bench.smap(lambda p: jpack.pmean(_local(p), AXIS)), packed)
+    del packed
   del tree
   if "floor" in variants:
     rng = np.random.default_rng(1)
@@ -282,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 "HLO gathered MB (bf16)"],
                title="Bytes all-reduced per step (per device). Layout: sum of bucket bytes; "
                      "bf16 wire halves f32 buckets. HLO: all-reduce + reduce-scatter input "
-                     "bytes, all-gather output bytes")
+                     "+ all-to-all bytes, all-gather output bytes")
   for name, layout in layouts.items():
     leaf, native, bf16 = wire_bytes(layout)
     res = all_results[name]
@@ -291,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
       if key not in res:
         return "-", "-"
       b = res[key].colls.result_bytes
-      reduced = b["all-reduce"] + NUM_DEVICES * b["reduce-scatter"]
+      reduced = b["all-reduce"] + NUM_DEVICES * b["reduce-scatter"] + b["all-to-all"]
       return c.fmt_mb(reduced), c.fmt_mb(b["all-gather"])
 
     t2.add(_label(name, workloads[name]), layout.num_leaves, len(layout.buckets),
@@ -344,17 +356,13 @@ def main(argv: list[str] | None = None) -> int:
            "tree replicated (out_specs=P()), except 'x*2 local' (out_specs=P('batch')).",
            "  'jpack s+g' = method='scatter_gather' (what method='auto' picks here); 'jpack bf16 "
            "wire' = comm_dtype=bfloat16, method auto.",
-           "  HLO collectives: AR all-reduce, RS reduce-scatter, AG all-gather ops in "
+           "  HLO collectives: AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all ops in "
            "compiled.as_text() (per-leaf pmeans are merged by XLA into one tuple all-reduce).",
            "  Practical floor for a standalone call returning N leaves ~ floor + 'x*2 local' "
            "(per-buffer cost; see shared/README.md)."]
-  promoted = [n for n, r in all_results.items() if "jpack_bf16" in r and "jpack_sg" in r
-              and r["jpack_bf16"].colls.result_bytes["reduce-scatter"]
-              >= r["jpack_sg"].colls.result_bytes["reduce-scatter"] > 0]
-  if promoted:
-    notes.append("  bf16 wire: the compiled HLO reduces in f32 anyway on this backend (XLA:CPU "
-                 "promotes bf16 reductions: 'HLO reduced MB (bf16)' = f32 bytes), so it only adds "
-                 "converts here; the all-gather after the mean is in the leaf dtype (f32) by design.")
+  notes.append("  bf16 wire: XLA:CPU widens bf16 collectives to f32, so jpack sends a narrow "
+               "wire as u16 bits (all-to-all + local f32 sum, all-gather of the bf16 result); "
+               "the HLO columns show the bytes that really travel.")
   if left_out:
     notes.append(f"  {', '.join(left_out)} left out of the default run (compile-bound, ~10 min); "
                  "add --full, or run --workloads " + ",".join(left_out) + ".")

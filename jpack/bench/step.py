@@ -12,10 +12,12 @@ Every variant is `jpack.data_parallel` (shard_map over ``("batch",)``, inputs pl
                 adam updates the buckets (no per-step pack)
   packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
   sharded       ZeRO-1: ``jpack.optax.sharded(adam)`` on packed params
+  grads only    not a step: loss + gradients, no collective, no update. Every step does
+                at least this, so per-leaf time / this time bounds any variant's speed-up
 
 Reported per variant: compile time (lower + compile of the step), median step time over
 several timed blocks of steps (variants interleaved, block by block), speed-up over per-leaf (the issue's ratio), collectives in
-the compiled step (AR all-reduce, RS reduce-scatter, AG all-gather) and their bytes,
+the compiled step (AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all) and their bytes,
 optimizer-state bytes per device, and the largest parameter difference from the per-leaf
 variant after the same steps (a sanity check: every variant is the same optimizer).
 
@@ -62,6 +64,9 @@ VARIANTS = {
     "packed": ("jpack packed", "packed", False, None),
     "packed_bf16": ("jpack packed bf16", "packed", False, jnp.bfloat16),
     "sharded": ("jpack sharded", "sharded", False, None),
+    # Not a training step: loss and gradients only, no communication and no update. No
+    # data-parallel step can beat it, so per-leaf / this bounds the attainable speed-up.
+    "grad_only": ("bound: grads only", None, False, None),
 }
 
 
@@ -139,7 +144,7 @@ MODELS = {
 DEFAULT_MODELS = ("mlp_40x256", "mlp_24x1024")
 # Every variant keeps its state alive while they are timed round-robin: on big models,
 # drop the two extra rows (ResNet-50: ~2.5 GB of replicated state per variant).
-BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "allreduce", "packed", "sharded")
+BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "allreduce", "packed", "sharded", "grad_only")
 BIG_MODEL_PARAMS = 10_000_000
 
 
@@ -175,8 +180,32 @@ class _Prepared:
   times: list[float]
 
 
+def _grads_only(model: Model, mesh) -> jpack.DataParallel:
+  """The compute every data-parallel step shares: per-device loss and gradients."""
+  def local_step(state, batch):
+    params = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), state.params)
+    loss, grads = jax.value_and_grad(model.loss)(params, batch)
+    # Gradients are outputs (per device), so XLA cannot drop their computation.
+    return state, {"loss": jax.lax.pmean(loss, AXIS),
+                   "grads": jax.tree.map(lambda g: g[None], grads)}
+
+  specs = jpack.TrainState(P(), P(), P())
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(AXIS)),
+                               out_specs=(specs, {"loss": P(), "grads": P(AXIS)})))
+  replicated = NamedSharding(mesh, P())
+  init = lambda params: jpack.TrainState(jax.device_put(params, replicated), (),
+                                         jax.device_put(jnp.zeros((), jnp.int32), replicated))
+  return jpack.DataParallel(init, step, lambda state: state.params, None)
+
+
 def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepared:
   _, mode, use_flatten, comm_dtype = VARIANTS[key]
+  if key == "grad_only":
+    dp = _grads_only(model, mesh)
+    state = jax.block_until_ready(dp.init(model.params))
+    compiled = c.compile_fn(dp.step, state, batch)
+    state, _ = compiled.fn(state, batch)
+    return _Prepared(key, dp, compiled, jax.block_until_ready(state), [])
   opt = optax.adam(1e-3)
   if use_flatten:
     opt = optax.flatten(opt)
@@ -260,7 +289,8 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
     goal = GOALS.get((model.name, key))
     verdict = "" if goal is None or speedup is None else (
         f">={goal:g}x {c.verdict(speedup >= goal)}")
-    diff = "-" if key == "per_leaf" or base is None else f"{_max_diff(r.params, base.params):.1e}"
+    diff = ("-" if key in ("per_leaf", "grad_only") or base is None
+            else f"{_max_diff(r.params, base.params):.1e}")
     table.add(VARIANTS[key][0], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
               c.fmt_ratio(speedup), verdict, r.colls.short(), _coll_bytes(r.colls),
               c.human_bytes(r.opt_bytes), diff)
@@ -320,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_model(model, chosen, report, steps=steps, blocks=blocks,
                 per_device_batch=args.batch, plan_options=plan_options)
   report.text("speed-up = per-leaf step time / variant step time (same run). Collectives: "
-              "AR all-reduce, RS reduce-scatter, AG all-gather ops in the compiled step, "
+              "AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all ops in the compiled step, "
               "bytes = their result bytes.")
   report.write_markdown(args.markdown)
   return 0

@@ -95,26 +95,78 @@ def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed
   leaves = _flatten_like(tree, layout)
   buckets = []
   for bucket in layout.buckets:
-    pieces = []
-    end = 0
+    flat, starts = [], []
     for j in bucket.slots:
       slot = layout.slots[j]
-      if slot.offset > end:
-        pieces.append(jnp.zeros((slot.offset - end,), bucket.dtype))
       leaf = leaves[j]
       if _is_key_dtype(slot.dtype):
         leaf = jax.random.key_data(leaf)
-      pieces.append(leaf.reshape(-1))
-      end = slot.offset + slot.size
-    if bucket.size > end:
-      pieces.append(jnp.zeros((bucket.size - end,), bucket.dtype))
-    if len(pieces) == 1:
-      buckets.append(pieces[0])
-    elif pieces:
-      buckets.append(_concatenate(tuple(pieces)))
+      flat.append(leaf if np.ndim(leaf) == 1 else lax.reshape(leaf, (np.size(leaf),)))
+      starts.append(slot.offset)
+    dtype = _storage_dtype(bucket.dtype)
+    if len(flat) >= GATHER_MIN_LEAVES:
+      place = _place_gather if jnp.issubdtype(dtype, jnp.inexact) else _place_gather_raw
     else:
-      buckets.append(jnp.zeros((0,), bucket.dtype))
+      place = _place_concat
+    buckets.append(place(tuple(flat), tuple(starts), bucket.size, dtype))
   return Packed(tuple(buckets), layout)
+
+
+# A bucket of this many leaves or more is filled by one gather from the leaves laid end to
+# end, instead of a concatenate with a zeros operand per alignment gap: XLA:CPU's compile
+# time grows with concatenate operands (4000 leaves: 4.3 s -> 1.6 s), while the gather
+# costs one more pass over a bucket of small leaves.
+GATHER_MIN_LEAVES = 128
+
+
+def _place_concat(flat, starts, size, dtype):
+  """The bucket as one concatenate of leaves and zero gaps."""
+  zeros: dict[int, Any] = {}  # gaps take few distinct sizes: one zeros array per size
+
+  def gap(n):
+    if n not in zeros:
+      zeros[n] = jnp.zeros((n,), dtype)
+    return zeros[n]
+
+  pieces = []
+  end = 0
+  for leaf, start in zip(flat, starts):
+    if start > end:
+      pieces.append(gap(start - end))
+    pieces.append(leaf)
+    end = start + leaf.shape[0]
+  if size > end:
+    pieces.append(gap(size - end))
+  if not pieces:
+    return jnp.zeros((0,), dtype)
+  return pieces[0] if len(pieces) == 1 else _concatenate(tuple(pieces))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _place_gather(flat, starts, size, dtype):
+  return _place_gather_raw(flat, starts, size, dtype)
+
+
+@_place_gather.defjvp
+def _place_gather_jvp(starts, size, dtype, primals, tangents):
+  # The tangent map is the concatenate form, whose transpose is a split (one unpack).
+  (flat,), (dflat,) = primals, tangents
+  return _place_gather(flat, starts, size, dtype), _place_concat(dflat, starts, size, dtype)
+
+
+def _place_gather_raw(flat, starts, size, dtype):
+  """The bucket gathered from ``[leaves end to end, 0]``; gaps read the final zero."""
+  moved = tuple(lax.bitcast_convert_type(x, _bits_dtype(dtype)) for x in flat
+                ) if _moves_as_bits(dtype) else flat
+  compact = lax.concatenate(moved + (jnp.zeros((1,), moved[0].dtype),), 0)
+  index = np.full((size,), compact.shape[0] - 1, np.int32)
+  pos = 0
+  for leaf, start in zip(flat, starts):
+    n = leaf.shape[0]
+    index[start:start + n] = np.arange(pos, pos + n, dtype=np.int32)
+    pos += n
+  out = compact.at[index].get(mode="promise_in_bounds")
+  return lax.bitcast_convert_type(out, dtype) if _moves_as_bits(dtype) else out
 
 
 def unpack(packed: Packed) -> Any:

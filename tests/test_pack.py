@@ -7,7 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import contextlib
+
 import jpack
+import jpack._pack
 from conftest import bits, workload_shapes
 
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int8, np.uint8, np.int16, np.int32,
@@ -52,12 +55,26 @@ def numpy_reference_buckets(tree, layout):
   return out
 
 
+@contextlib.contextmanager
+def bucket_fill(how):
+  """Force how pack fills buckets: "gather" (normally for buckets of many leaves) or
+  "concat"; both must give the same bits."""
+  saved = jpack._pack.GATHER_MIN_LEAVES
+  jpack._pack.GATHER_MIN_LEAVES = 1 if how == "gather" else 10**9
+  try:
+    yield
+  finally:
+    jpack._pack.GATHER_MIN_LEAVES = saved
+
+
 @given(tree=trees(), align=st.sampled_from([1, 4, 64, 256]),
-       bucket_bytes=st.integers(1, 400), reverse=st.booleans())
+       bucket_bytes=st.integers(1, 400), reverse=st.booleans(),
+       fill=st.sampled_from(["concat", "gather"]))
 def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket_bytes,
-                                                            reverse):
+                                                            reverse, fill):
   layout = jpack.plan(tree, align_bytes=align, bucket_bytes=bucket_bytes, reverse=reverse)
-  packed = jpack.pack(tree, layout)
+  with bucket_fill(fill):
+    packed = jax.jit(jpack.pack, static_argnums=1)(tree, layout)
   for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
     assert bits(got) == bits(want)  # includes zero padding
   back = jpack.unpack(packed)
@@ -66,14 +83,16 @@ def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket
     assert bits(a) == bits(b)
 
 
-def test_round_trip_under_jit_with_every_edge_case():
+@pytest.mark.parametrize("fill", ["concat", "gather"])
+def test_round_trip_under_jit_with_every_edge_case(fill):
   tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 4),
           "scalar": jnp.float32(2.5), "empty": jnp.zeros((0, 4)), "bool": jnp.array([True]),
           "u32": jnp.array([2**32 - 1, 7], jnp.uint32), "bf16": jnp.array([1e38], jnp.bfloat16),
           "i8": jnp.array([-128, 127], jnp.int8), "f16": jnp.array([65504.0], jnp.float16),
           "none": None, "nested": [(), {}]}
   layout = jpack.plan(tree)
-  back = jax.jit(jpack.unpack)(jax.jit(jpack.pack, static_argnums=1)(tree, layout))
+  with bucket_fill(fill):
+    back = jax.jit(jpack.unpack)(jax.jit(jpack.pack, static_argnums=1)(tree, layout))
   assert jax.tree.structure(back) == jax.tree.structure(tree)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
     assert a.dtype == b.dtype and bits(a) == bits(b)
@@ -146,15 +165,22 @@ def test_grad_through_unpack_equals_per_leaf_grad():
     assert not g_flat[i][mask].any()
 
 
-def test_grad_of_pack_and_jvp_match_references():
+@pytest.mark.parametrize("fill", ["concat", "gather"])
+def test_grad_of_pack_and_jvp_match_references(fill):
+  with bucket_fill(fill):
+    _check_grad_of_pack_and_jvp()
+
+
+def _check_grad_of_pack_and_jvp():
   tree = {"x": jnp.arange(4.0), "y": jnp.ones((2, 3))}
-  layout = jpack.plan(tree, align_bytes=4)
+  layout = jpack.plan(tree, align_bytes=16)
   weights = [jnp.linspace(0, 1, b.size) for b in layout.buckets]
 
   def packed_loss(t):
     return sum(jnp.sum(w * b ** 2) for w, b in zip(weights, jpack.pack(t, layout).buckets))
 
   got = jax.grad(packed_loss)(tree)
+  assert len(layout.buckets) == 1
   w = np.asarray(weights[0])
   ref = {k: 2 * w[s.offset:s.offset + s.size].reshape(s.shape) * np.asarray(tree[k])
          for k, s in zip(sorted(tree), layout.slots)}

@@ -5,6 +5,8 @@ Both are linear primitives whose transposes are each other, so reverse-mode auto
 `unpack` is a single concatenate per bucket (one pack), and of `pack` a single split (one
 unpack); forward mode is the same op on tangents. Slicing leaf by leaf instead makes the
 backward pass one full-size ``pad`` + ``add`` per leaf, which measured ~100x slower.
+(Buckets of many small leaves are filled by a gather instead, which compiles faster; its
+custom JVP is the concatenate, so autodiff is unchanged.)
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed
 
 # A bucket of this many leaves or more is filled by one gather from the leaves laid end to
 # end, instead of a concatenate with a zeros operand per alignment gap: XLA:CPU's compile
-# time grows with concatenate operands (4000 leaves: 4.3 s -> 1.6 s), while the gather
-# costs one more pass over a bucket of small leaves.
+# time grows with concatenate operands (4000 leaves: lower + compile 5.3 s -> 3.4 s), and
+# the run time stayed the same (interleaved: 19.5 vs 18.2 ms).
 GATHER_MIN_LEAVES = 128
 
 

@@ -29,7 +29,7 @@ def test_step_benchmark_every_mode_matches_per_leaf():
   text = bench("step", "--models", "mlp_4x32", "--steps", "2", "--blocks", "1")
   assert "machine:" in text and "speed-up" in text
   labels = ["ravel_pytree", "optax.flatten", "jpack allreduce", "jpack packed",
-            "jpack sharded"]
+            "jpack sharded", "hand-written ZeRO-1"]
   for label in labels:
     rows = [r for r in table_rows(text, label) if r[0] == label]
     assert rows, f"no row {label!r} in\n{text}"
@@ -37,6 +37,8 @@ def test_step_benchmark_every_mode_matches_per_leaf():
     assert max_diff < 1e-5, (label, max_diff)
   bf16 = [r for r in table_rows(text, "jpack packed bf16")][-1]
   assert float(bf16[-1]) < 1e-2  # bf16 wire: rounded gradients, same optimizer
+  assert any("A2A" in cell for cell in bf16)  # narrow wire: integer bits via all_to_all
+  assert table_rows(text, "bound: grads only")
 
 
 @pytest.mark.timeout(600)
@@ -50,7 +52,7 @@ def test_pack_benchmark_prints_its_table():
 def test_collectives_benchmark_prints_its_table():
   text = bench("collectives", "--workloads", "resnet50", "--max-leaves", "20", "--runs", "2",
                "--no-sweep")
-  assert "per-leaf pmean" in text and "jpack s+g" in text
+  assert "per-leaf pmean" in text and "jpack s+g" in text and "jpack s+g Packed" in text
 
 
 def test_unknown_benchmark_is_a_clear_error():

@@ -12,6 +12,8 @@ Every variant is `jpack.data_parallel` (shard_map over ``("batch",)``, inputs pl
                 adam updates the buckets (no per-step pack)
   packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
   sharded       ZeRO-1: ``jpack.optax.sharded(adam)`` on packed params
+  hand ZeRO-1   the feasibility study's ZeRO-1 written by hand with plain jax + optax (no
+                jpack): <= 4 MiB buckets, custom-VJP unpack, psum_scatter/all_gather
   grads only    not a step: loss + gradients, no collective, no update. Every step does
                 at least this, so per-leaf time / this time bounds any variant's speed-up
 
@@ -64,6 +66,9 @@ VARIANTS = {
     "packed": ("jpack packed", "packed", False, None),
     "packed_bf16": ("jpack packed bf16", "packed", False, jnp.bfloat16),
     "sharded": ("jpack sharded", "sharded", False, None),
+    # The feasibility study's ZeRO-1, written by hand without jpack (an independent check
+    # of how close jpack's sharded step is to the best known recipe).
+    "study_zero1": ("hand-written ZeRO-1", None, False, None),
     # Not a training step: loss and gradients only, no communication and no update. No
     # data-parallel step can beat it, so per-leaf / this bounds the attainable speed-up.
     "grad_only": ("bound: grads only", None, False, None),
@@ -144,7 +149,8 @@ MODELS = {
 DEFAULT_MODELS = ("mlp_40x256", "mlp_24x1024")
 # Every variant keeps its state alive while they are timed round-robin: on big models,
 # drop the two extra rows (ResNet-50: ~2.5 GB of replicated state per variant).
-BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "allreduce", "packed", "sharded", "grad_only")
+BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "allreduce", "packed", "sharded", "study_zero1",
+                      "grad_only")
 BIG_MODEL_PARAMS = 10_000_000
 
 
@@ -198,10 +204,91 @@ def _grads_only(model: Model, mesh) -> jpack.DataParallel:
   return jpack.DataParallel(init, step, lambda state: state.params, None)
 
 
+def _study_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> jpack.DataParallel:
+  """ZeRO-1 as the feasibility study wrote it, with plain jax + optax (no jpack).
+
+  Parameters live as f32 buckets of <= ``bucket_bytes`` (filled from the last leaf, padded
+  to a multiple of the device count); the loss unpacks them through a custom VJP whose
+  backward is one concatenate; gradients are ``psum_scatter``-ed per bucket, adam runs on
+  this device's slice, and the new slices are ``all_gather``-ed.
+  """
+  n = mesh.shape[AXIS]
+  leaves, treedef = jax.tree.flatten(model.params)
+  shapes = [np.shape(x) for x in leaves]
+  sizes = [int(np.size(x)) for x in leaves]
+  groups, current, nbytes = [], [], 0
+  for i in reversed(range(len(leaves))):
+    if current and nbytes + 4 * sizes[i] > bucket_bytes:
+      groups.append(current)
+      current, nbytes = [], 0
+    current.append(i)
+    nbytes += 4 * sizes[i]
+  groups.append(current)
+  lengths = [-(-sum(sizes[i] for i in g) // n) * n for g in groups]
+
+  def pack(ls):
+    out = []
+    for g, length in zip(groups, lengths):
+      parts = [jnp.reshape(ls[i], (-1,)) for i in g]
+      pad = length - sum(sizes[i] for i in g)
+      out.append(jnp.concatenate(parts + ([jnp.zeros((pad,), jnp.float32)] if pad else [])))
+    return out
+
+  @jax.custom_vjp
+  def unpack(buckets):
+    ls = [None] * len(leaves)
+    for g, b in zip(groups, buckets):
+      offset = 0
+      for i in g:
+        ls[i] = jax.lax.slice(b, (offset,), (offset + sizes[i],)).reshape(shapes[i])
+        offset += sizes[i]
+    return ls
+
+  unpack.defvjp(lambda b: (unpack(b), None), lambda _, ct: (pack(ct),))
+  tx = optax.adam(1e-3)
+
+  def local_slice(buckets):
+    k = jax.lax.axis_index(AXIS)
+    return [jax.lax.dynamic_slice_in_dim(b, k * (b.shape[0] // n), b.shape[0] // n)
+            for b in buckets]
+
+  def local_init(params):
+    buckets = pack(jax.tree.leaves(params))
+    return jpack.TrainState(buckets, tx.init(local_slice(buckets)), jnp.zeros((), jnp.int32))
+
+  def local_step(state, batch):
+    def loss(buckets):
+      return model.loss(jax.tree.unflatten(treedef, unpack(buckets)), batch)
+
+    varying = [jax.lax.pcast(b, AXIS, to="varying") for b in state.params]
+    value, grads = jax.value_and_grad(loss)(varying)
+    grads = [jax.lax.psum_scatter(g, AXIS, tiled=True) / n for g in grads]
+    mine = local_slice(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, mine)
+    new = [jax.lax.all_gather(x, AXIS, tiled=True) for x in optax.apply_updates(mine, updates)]
+    return jpack.TrainState(new, opt_state, state.step + 1), {"loss": jax.lax.pmean(value, AXIS)}
+
+  params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), model.params)
+  shapes_out = jax.eval_shape(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P(),
+                                            check_vma=False), params_like)
+  specs = jpack.TrainState(jax.tree.map(lambda _: P(), shapes_out.params),
+                           jax.tree.map(lambda x: P(AXIS) if x.ndim else P(),
+                                        shapes_out.opt_state), P())
+  init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=specs,
+                                  check_vma=False))
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(AXIS)),
+                               out_specs=(specs, {"loss": P()}), check_vma=False),
+                 donate_argnums=0)
+  replicated = NamedSharding(mesh, P())
+  to_tree = jax.jit(lambda state: jax.tree.unflatten(treedef, unpack(state.params)))
+  return jpack.DataParallel(lambda params: init_sm(jax.device_put(params, replicated)), step,
+                            to_tree, None)
+
+
 def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepared:
   _, mode, use_flatten, comm_dtype = VARIANTS[key]
-  if key == "grad_only":
-    dp = _grads_only(model, mesh)
+  if key in ("grad_only", "study_zero1"):
+    dp = (_grads_only if key == "grad_only" else _study_zero1)(model, mesh)
     state = jax.block_until_ready(dp.init(model.params))
     compiled = c.compile_fn(dp.step, state, batch)
     state, _ = compiled.fn(state, batch)

@@ -58,10 +58,11 @@ def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     axis_name: the mesh / pmap axis to reduce over.
     comm_dtype: wire dtype of real floating buckets, e.g. ``jnp.float32`` to
       accumulate bf16 gradients in f32, or ``jnp.bfloat16`` to halve the bytes sent for
-      f32 gradients. A wire narrower than the bucket (with the scatter_gather method)
-      travels as same-width integers through ``all_to_all`` + ``all_gather``, so the
-      bytes halve on every backend (XLA:CPU widens bf16 collectives to f32), and each
-      device accumulates in the bucket's own, wider dtype. Results come back in each
+      f32 gradients. With the scatter_gather method, a wire of fewer than 32 bits (a
+      narrower comm_dtype, or a bf16/f16/fp8 bucket's own dtype) travels as same-width
+      integers through ``all_to_all`` + ``all_gather``, so those bytes really are what
+      moves on every backend (XLA:CPU widens 16-bit float collectives to f32), and each
+      device accumulates in f32 (or the wider bucket dtype). Results come back in each
       leaf's own dtype. Integer and complex buckets are always sent in their own dtype.
     layout: the `Layout` to pack with (planned from ``tree`` if omitted, with
       ``num_shards`` set to the axis size).
@@ -141,8 +142,12 @@ def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
   # Complex buckets keep their dtype: a real wire dtype would drop the imaginary part.
   floating = jnp.issubdtype(dtype, jnp.floating)
   wire = comm_dtype if (floating and comm_dtype is not None) else dtype
-  if scatter and np.dtype(wire).itemsize < np.dtype(dtype).itemsize:
-    return _scatter_narrow(x, axis_name, n, mean=mean, wire=wire, gather=gather)
+  if scatter and floating and np.dtype(wire).itemsize < max(np.dtype(dtype).itemsize, 4):
+    # A wire narrower than the bucket, or a 16/8-bit float bucket on its own wire: keep
+    # those bytes on the wire (XLA:CPU widens such collectives to f32) and sum in f32.
+    accumulate = jnp.promote_types(dtype, jnp.float32)
+    return _scatter_narrow(x, axis_name, n, mean=mean, wire=wire, accumulate=accumulate,
+                           gather=gather)
   y = x.astype(wire)
   if scatter:
     y = lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
@@ -160,28 +165,27 @@ def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
   return y
 
 
-def _scatter_narrow(x, axis_name, n, *, mean, wire, gather):
-  """Reduce-scatter (+ all-gather) of a floating bucket over a narrower wire dtype.
+def _scatter_narrow(x, axis_name, n, *, mean, wire, accumulate, gather):
+  """Reduce-scatter (+ all-gather) of a floating bucket over a narrow (< 32-bit) wire.
 
-  XLA:CPU widens 16-bit float collectives to f32, so a bf16 ``psum_scatter`` would send
-  as many bytes as an f32 one. Here the wire values travel as same-width unsigned
-  integers, which no backend widens: an ``all_to_all`` hands each device the n copies of
-  its chunk, the device sums them in the bucket's (wider) dtype, and, if gathering, the
-  result travels back rounded once to the wire dtype. Same bytes as a ring reduce-scatter,
-  and the sum is accumulated in the wide dtype rather than the wire dtype.
+  XLA:CPU widens 16-bit float collectives to f32, so a bf16 ``psum_scatter`` sends as
+  many bytes as an f32 one. Here the wire values travel as same-width unsigned integers,
+  which no backend widens: an ``all_to_all`` hands each device the n copies of its chunk,
+  the device sums them in ``accumulate`` (f32 or wider), and, if gathering, the result
+  travels back rounded once to the wire dtype. Same bytes as a ring reduce-scatter.
   """
   dtype = x.dtype
   bits = np.dtype(f"uint{8 * np.dtype(wire).itemsize}")
   chunks = lax.bitcast_convert_type(x.astype(wire), bits).reshape(n, -1)
   chunks = lax.all_to_all(chunks, axis_name, 0, 0, tiled=False)
-  chunks = lax.bitcast_convert_type(chunks, wire).astype(dtype)
+  chunks = lax.bitcast_convert_type(chunks, wire).astype(accumulate)
   y = chunks[0]
   for j in range(1, n):  # an unrolled add fuses into one loop; a reduce over axis 0 is slow on CPU
     y = y + chunks[j]
   if mean:
     y = y / n
   if not gather:
-    return y
+    return y.astype(dtype)
   y = _all_gather(lax.bitcast_convert_type(y.astype(wire), bits), axis_name, axis=0,
                   tiled=True)
   return lax.bitcast_convert_type(y, wire).astype(dtype)

@@ -184,6 +184,26 @@ def test_bf16_wire_halves_compiled_collective_bytes_and_accumulates_wide(use_pma
                                rtol=2**-8, atol=1e-6)
 
 
+def test_bf16_buckets_travel_as_16_bits_and_sum_in_f32():
+  rng = np.random.default_rng(10)
+  x = rng.normal(size=(N, 4096)).astype(np.float32)
+  m = mesh()
+
+  def compiled_bytes(dtype):
+    placed = jax.device_put({"g": x.astype(dtype)}, NamedSharding(m, P("batch")))
+    f = jax.jit(jax.shard_map(lambda t: jpack.pmean({"g": t["g"][0]}, "batch"), mesh=m,
+                              in_specs=P("batch"), out_specs=P()))
+    return _collective_bytes(f.lower(placed).compile().as_text()), f(placed)
+
+  f32_bytes, _ = compiled_bytes(np.float32)
+  bf16_bytes, got = compiled_bytes(jnp.bfloat16)
+  assert bf16_bytes * 2 == f32_bytes  # XLA:CPU would widen a bf16 psum_scatter to f32
+  sent = np.asarray(x.astype(jnp.bfloat16), np.float64)
+  assert got["g"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got["g"], np.float64), sent.mean(0), rtol=2**-8,
+                             atol=1e-6)
+
+
 def test_reduce_scatter_with_bf16_wire_keeps_the_wide_sum():
   rng = np.random.default_rng(8)
   tree = {"w": rng.normal(size=(N, 1024)).astype(np.float32)}

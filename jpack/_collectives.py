@@ -179,9 +179,12 @@ def _scatter_narrow(x, axis_name, n, *, mean, wire, accumulate, gather):
   chunks = lax.bitcast_convert_type(x.astype(wire), bits).reshape(n, -1)
   chunks = lax.all_to_all(chunks, axis_name, 0, 0, tiled=False)
   chunks = lax.bitcast_convert_type(chunks, wire).astype(accumulate)
-  y = chunks[0]
-  for j in range(1, n):  # an unrolled add fuses into one loop; a reduce over axis 0 is slow on CPU
-    y = y + chunks[j]
+  if n <= 16:  # unrolled adds fuse into one loop; XLA:CPU's reduce over axis 0 was 3x slower
+    y = chunks[0]
+    for j in range(1, n):
+      y = y + chunks[j]
+  else:
+    y = jnp.sum(chunks, axis=0)
   if mean:
     y = y / n
   if not gather:

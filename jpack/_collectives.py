@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from jpack._layout import Layout, _dtype_name, _is_key_dtype
-from jpack._pack import Packed, _Buckets, pack, unpack
+from jpack._pack import Packed, _Buckets, _bits_dtype, pack, unpack
 
 AxisName = Any
 
@@ -175,7 +175,7 @@ def _scatter_narrow(x, axis_name, n, *, mean, wire, accumulate, gather):
   travels back rounded once to the wire dtype. Same bytes as a ring reduce-scatter.
   """
   dtype = x.dtype
-  bits = np.dtype(f"uint{8 * np.dtype(wire).itemsize}")
+  bits = _bits_dtype(wire)
   chunks = lax.bitcast_convert_type(x.astype(wire), bits).reshape(n, -1)
   chunks = lax.all_to_all(chunks, axis_name, 0, 0, tiled=False)
   chunks = lax.bitcast_convert_type(chunks, wire).astype(accumulate)
@@ -227,7 +227,7 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
     elif jnp.issubdtype(dtype, jnp.complexfloating):
       bits = x  # no same-width integer type without x64; exact except for the sign of 0
     elif jnp.issubdtype(dtype, jnp.floating):
-      bits = lax.bitcast_convert_type(x, np.dtype(f"uint{8 * np.dtype(dtype).itemsize}"))
+      bits = lax.bitcast_convert_type(x, _bits_dtype(dtype))
     else:
       bits = x
     summed = lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name)

@@ -22,8 +22,8 @@ DEMO_MODES = ("per_leaf", "ravel", "allreduce", "sharded")  # the default compar
 ALL_MODES = ("per_leaf", "ravel", "allreduce", "packed", "sharded")
 COMM_DTYPES = ("none", "float32", "bfloat16")
 BASELINE = "per_leaf"
-_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
-_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather)(-start)?\(")
+_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
+_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather|all-to-all)(-start)?\(")
 
 
 @dataclasses.dataclass
@@ -156,7 +156,7 @@ def loss_fn(params: dict, batch) -> Any:
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
-  """Count all-reduce / reduce-scatter / all-gather ops (sync or async start) in HLO.
+  """Count all-reduce / reduce-scatter / all-gather / all-to-all ops (sync or async start).
 
   XLA may merge several collectives into one op on a tuple of arrays (its all-reduce
   combiner does, on CPU too); such an op counts once here: see `collective_arrays`.
@@ -204,7 +204,7 @@ def grad_bytes_per_step(layout, mode: str, comm_dtype) -> int:
     return layout.leaf_nbytes
   total = 0
   for b in layout.buckets:
-    floating = jnp.issubdtype(b.dtype, jnp.inexact)
+    floating = jnp.issubdtype(b.dtype, jnp.floating)  # complex buckets keep their dtype
     wire = jnp.dtype(comm_dtype) if (floating and comm_dtype is not None) else b.dtype
     total += b.size * wire.itemsize
   return total
@@ -362,15 +362,15 @@ def format_table(results: Sequence[ModeResult]) -> str:
   """The comparison table (plain text, aligned)."""
   base = next((r for r in results if r.mode == BASELINE), results[0] if results else None)
   header = ("mode", "step ms (median)", f"vs {base.mode if base else BASELINE}", "compile s",
-            "collectives AR/RS/AG [arrays]", "grad bytes/step", "opt state/device", "final loss",
-            "test acc")
+            "collectives AR/RS/AG/A2A [arrays]", "grad bytes/step", "opt state/device",
+            "final loss", "test acc")
   rows = []
   for r in results:
     c = r.collectives
     speed = base.median_ms / r.median_ms if base and r.median_ms > 0 else float("nan")
     rows.append((r.mode, f"{r.median_ms:.2f}", f"{speed:.2f}x", f"{r.compile_s:.2f}",
-                 f"{c['all-reduce']}/{c['reduce-scatter']}/{c['all-gather']} "
-                 f"[{r.collective_arrays}]",
+                 f"{c['all-reduce']}/{c['reduce-scatter']}/{c['all-gather']}/"
+                 f"{c['all-to-all']} [{r.collective_arrays}]",
                  human_bytes(r.grad_bytes), human_bytes(r.opt_state_bytes),
                  f"{r.final_loss:.4f}", f"{r.test_accuracy:.3f}"))
   widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
@@ -382,8 +382,8 @@ def format_table(results: Sequence[ModeResult]) -> str:
   sep = "-+-".join("-" * w for w in widths)
   notes = ("step ms: median wall time per step, first (compiling) step excluded; "
            "compile s: the first step.\n"
-           "collectives: ops in the compiled step (all-reduce / reduce-scatter / all-gather), "
-           "loss mean included;\n  [arrays]: how many arrays they move (XLA may merge "
+           "collectives: ops in the compiled step (all-reduce / reduce-scatter / all-gather / "
+           "all-to-all), loss mean included;\n  [arrays]: how many arrays they move (XLA may merge "
            "several collectives into one op on a tuple).")
   return "\n".join([line(header), sep, *(line(r) for r in rows), "", notes])
 

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jpack
 from conftest import bits
+from jpack.bench._common import count_collectives
 
 N = 8
 FLOATS = [np.float32, jnp.bfloat16, np.float16]
@@ -139,17 +140,9 @@ def test_comm_dtype_wire_is_visible_in_compiled_program():
 
 def _collective_bytes(hlo_text):
   """Bytes each device puts into its collectives (a reduce-scatter's input is N results)."""
-  import re
-  itemsize = {"f32": 4, "bf16": 2, "f16": 2, "u16": 2, "s32": 4, "u32": 4, "f64": 8}
-  total = 0
-  for line in hlo_text.splitlines():
-    m = re.search(r"= (.*?) (all-to-all|all-gather|reduce-scatter|all-reduce)(-start)?\(",
-                  line)
-    if m:
-      scale = N if m.group(2) == "reduce-scatter" else 1
-      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-        total += scale * itemsize[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-  return total
+  nbytes = count_collectives(hlo_text).result_bytes
+  return (nbytes["all-reduce"] + N * nbytes["reduce-scatter"] + nbytes["all-gather"]
+          + nbytes["all-to-all"])
 
 
 @pytest.mark.parametrize("use_pmap", [False, True])

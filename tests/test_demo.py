@@ -116,8 +116,12 @@ def test_count_collectives():
   %ag = f32[8]{0} all-gather(f32[2]{0} %rs), dimensions={0}
   %d = f32[8]{0} all-gather-done(%ag)
   """
-  assert count_collectives(hlo) == {"all-reduce": 3, "reduce-scatter": 1, "all-gather": 1}
+  assert count_collectives(hlo) == {"all-reduce": 3, "reduce-scatter": 1, "all-gather": 1,
+                                    "all-to-all": 0}
   assert collective_arrays(hlo) == 6
+  # A narrow wire (comm_dtype=bf16) reduces through all-to-all: it must show up too.
+  a2a = "%a = (u16[1,4]{1,0}, u16[1,4]{1,0}) all-to-all(u16[1,4]{1,0} %p, u16[1,4]{1,0} %q)"
+  assert count_collectives(a2a)["all-to-all"] == 1 and collective_arrays(a2a) == 2
 
 
 def test_missing_demo_extra_says_what_to_install(monkeypatch, capsys):

@@ -226,6 +226,10 @@ def test_broadcast_is_bit_exact_for_every_dtype_and_root():
   tree["neg_zero"] = np.full((N, 2), -0.0, np.float32)
   tree["nan"] = np.full((N, 1), np.nan, np.float32)
   tree["flags"] = rng.integers(0, 2, size=(N, 5)).astype(bool)
+  # every bf16 / f16 bit pattern (signalling NaNs, subnormals), different on each device
+  patterns = np.arange(2**16, dtype=np.uint16)
+  rolled = np.stack([np.roll(patterns, 7 * d) for d in range(N)])
+  tree["bf16_all"], tree["f16_all"] = rolled.view(jnp.bfloat16), rolled.view(np.float16)
   for root in (0, 5):
     got = run_shard_map(lambda t: jpack.broadcast(t, "batch", root=root), tree)
     for k in tree:

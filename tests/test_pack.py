@@ -74,7 +74,8 @@ def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket
                                                             reverse, fill):
   layout = jpack.plan(tree, align_bytes=align, bucket_bytes=bucket_bytes, reverse=reverse)
   with bucket_fill(fill):
-    packed = jpack.pack(tree, layout)
+    # A fresh function each time: jit's cache would otherwise replay the other fill's trace.
+    packed = jax.jit(lambda t: jpack.pack(t, layout))(tree)
   for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
     assert bits(got) == bits(want)  # includes zero padding
   back = jpack.unpack(packed)
@@ -92,11 +93,32 @@ def test_round_trip_under_jit_with_every_edge_case(fill):
           "none": None, "nested": [(), {}]}
   layout = jpack.plan(tree)
   with bucket_fill(fill):
-    back = jax.jit(jpack.unpack)(jax.jit(jpack.pack, static_argnums=1)(tree, layout))
+    back = jax.jit(jpack.unpack)(jax.jit(lambda t: jpack.pack(t, layout))(tree))
   assert jax.tree.structure(back) == jax.tree.structure(tree)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
     assert a.dtype == b.dtype and bits(a) == bits(b)
   assert jax.random.uniform(back["key"]) == jax.random.uniform(tree["key"])
+
+
+@pytest.mark.parametrize("num_leaves", [1, 3, 160])
+@pytest.mark.parametrize("fill", ["concat", "gather"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn,
+                                   jnp.float8_e5m2])
+def test_every_bit_pattern_of_narrow_floats_survives_jit(dtype, fill, num_leaves):
+  # Regression: a jitted gather fill of bf16 buckets quieted signalling NaNs and flushed
+  # subnormals (XLA:CPU computed a select over bf16 values in float32).
+  width = np.dtype(dtype).itemsize * 8
+  patterns = np.arange(2**width, dtype=f"uint{width}")
+  leaves = np.array_split(patterns, num_leaves)  # 160 > GATHER_MIN_LEAVES
+  tree = [jnp.asarray(x.view(dtype)) for x in leaves]
+  layout = jpack.plan(tree, align_bytes=4)
+  with bucket_fill(fill):
+    packed = jax.jit(lambda t: jpack.pack(t, layout))(tree)
+  for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
+    assert bits(got) == bits(want)
+  back = jax.jit(jpack.unpack)(packed)
+  np.testing.assert_array_equal(np.concatenate([np.asarray(x).view(patterns.dtype)
+                                                for x in back]), patterns)
 
 
 def test_empty_tree():

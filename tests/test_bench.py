@@ -39,6 +39,7 @@ def test_step_benchmark_every_mode_matches_per_leaf():
   assert float(bf16[-1]) < 1e-2  # bf16 wire: rounded gradients, same optimizer
   assert any("A2A" in cell for cell in bf16)  # narrow wire: integer bits via all_to_all
   assert table_rows(text, "bound: grads only")
+  assert table_rows(text, "bound: packed grads only")
 
 
 @pytest.mark.timeout(600)

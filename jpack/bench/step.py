@@ -72,6 +72,9 @@ VARIANTS = {
     # Not a training step: loss and gradients only, no communication and no update. No
     # data-parallel step can beat it, so per-leaf / this bounds the attainable speed-up.
     "grad_only": ("bound: grads only", None, False, None),
+    # The same with jpack's persistent packed params: the loss unpacks them, gradients come
+    # out packed. Its distance from grad_only is what pack + unpack cost inside a step.
+    "packed_grad_only": ("bound: packed grads only", None, False, None),
 }
 
 
@@ -186,11 +189,14 @@ class _Prepared:
   times: list[float]
 
 
-def _grads_only(model: Model, mesh) -> jpack.DataParallel:
-  """The compute every data-parallel step shares: per-device loss and gradients."""
+def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> jpack.DataParallel:
+  """The compute every data-parallel step shares: per-device loss and gradients (with a
+  ``layout``: of params kept packed, the loss unpacking them)."""
+  loss_fn = model.loss if layout is None else lambda p, b: model.loss(jpack.unpack(p), b)
+
   def local_step(state, batch):
     params = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), state.params)
-    loss, grads = jax.value_and_grad(model.loss)(params, batch)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     # Gradients are outputs (per device), so XLA cannot drop their computation.
     return state, {"loss": jax.lax.pmean(loss, AXIS),
                    "grads": jax.tree.map(lambda g: g[None], grads)}
@@ -199,7 +205,9 @@ def _grads_only(model: Model, mesh) -> jpack.DataParallel:
   step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(AXIS)),
                                out_specs=(specs, {"loss": P(), "grads": P(AXIS)})))
   replicated = NamedSharding(mesh, P())
-  init = lambda params: jpack.TrainState(jax.device_put(params, replicated), (),
+  prepare = (lambda params: params) if layout is None else (
+      lambda params: jpack.pack(params, layout))
+  init = lambda params: jpack.TrainState(jax.device_put(prepare(params), replicated), (),
                                          jax.device_put(jnp.zeros((), jnp.int32), replicated))
   return jpack.DataParallel(init, step, lambda state: state.params, None)
 
@@ -287,8 +295,13 @@ def _study_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> jpack.Dat
 
 def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepared:
   _, mode, use_flatten, comm_dtype = VARIANTS[key]
-  if key in ("grad_only", "study_zero1"):
-    dp = (_grads_only if key == "grad_only" else _study_zero1)(model, mesh)
+  if key in ("grad_only", "packed_grad_only", "study_zero1"):
+    if key == "study_zero1":
+      dp = _study_zero1(model, mesh)
+    elif key == "grad_only":
+      dp = _grads_only(model, mesh)
+    else:
+      dp = _grads_only(model, mesh, jpack.plan(model.params, **plan_options))
     state = jax.block_until_ready(dp.init(model.params))
     compiled = c.compile_fn(dp.step, state, batch)
     state, _ = compiled.fn(state, batch)
@@ -376,7 +389,7 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
     goal = GOALS.get((model.name, key))
     verdict = "" if goal is None or speedup is None else (
         f">={goal:g}x {c.verdict(speedup >= goal)}")
-    diff = ("-" if key in ("per_leaf", "grad_only") or base is None
+    diff = ("-" if key in ("per_leaf", "grad_only", "packed_grad_only") or base is None
             else f"{_max_diff(r.params, base.params):.1e}")
     table.add(VARIANTS[key][0], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
               c.fmt_ratio(speedup), verdict, r.colls.short(), _coll_bytes(r.colls),

@@ -153,7 +153,7 @@ DEFAULT_MODELS = ("mlp_40x256", "mlp_24x1024")
 # Every variant keeps its state alive while they are timed round-robin: on big models,
 # drop the two extra rows (ResNet-50: ~2.5 GB of replicated state per variant).
 BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "allreduce", "packed", "sharded", "study_zero1",
-                      "grad_only")
+                      "grad_only", "packed_grad_only")
 BIG_MODEL_PARAMS = 10_000_000
 
 

@@ -22,7 +22,8 @@ from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather
                                 reduce_scatter, shard)
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
-from jpack._transforms import Inner, Labels, _check_inner, _group_fn_for, _labelled
+from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
+                               _labelled)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -113,6 +114,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     else:
       packed = updates if isinstance(updates, Packed) else pack(updates, layout)
       grads = reduce_scatter(packed, axis_name, mean=True, comm_dtype=comm_dtype)
+    grads = _after_all(grads)  # no per-step copy of donated parameter buckets
     local_params = None
     if isinstance(params, Shards):
       local_params = params.buckets

@@ -85,6 +85,31 @@ def test_packed_steps_update_parameter_buckets_in_place(mode):
   assert " copy(" not in hlo[hlo.index("ENTRY"):]
 
 
+def test_sharded_transform_in_a_hand_written_step_updates_in_place():
+  # The same guarantee for users who write their own step around jpack.optax.sharded.
+  params = init_cnn(jax.random.key(0))
+  mesh = jax.make_mesh((8,), ("batch",))
+  packed = jpack.pack(params, jpack.plan(params, num_shards=8, solo_bytes=1))
+  tx = jpack.optax.sharded(optax.adam(1e-2), "batch")
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+  specs = jax.tree.map(lambda x: P("batch") if x.ndim else P(), jax.eval_shape(init, packed))
+  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs,
+                                    check_vma=False))(packed)
+
+  def step(p, s, batch):
+    varying = jax.lax.pcast(p, "batch", to="varying")
+    grads = jax.grad(lambda q: loss_fn(jpack.unpack(q), batch))(varying)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("batch")),
+                               out_specs=(P(), specs), check_vma=False), donate_argnums=(0, 1))
+  x, y = data(1)
+  batch = jax.device_put((x[0], y[0]), NamedSharding(mesh, P("batch")))
+  hlo = step.lower(packed, opt_state, batch).compile().as_text()
+  assert " copy(" not in hlo[hlo.index("ENTRY"):]
+
+
 def test_pmap_variant_matches_single_device_training():
   params = init_cnn(jax.random.key(1))
   steps = 6

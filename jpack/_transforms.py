@@ -124,7 +124,7 @@ def flat(inner: Inner, *, labels: Labels = None,
 
   def update_fn(updates, state, params=None):
     was_packed = isinstance(updates, Packed)
-    packed = _pack(updates, labels, plan_options)
+    packed = _after_all(_pack(updates, labels, plan_options))  # no copies of donated params
     layout = packed.layout
     flat_params = None if params is None else _pack_like(params, layout).buckets
     new, inner_state = _labelled(inner, layout).update(packed.buckets, state.inner_state,

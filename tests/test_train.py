@@ -85,12 +85,16 @@ def test_packed_steps_update_parameter_buckets_in_place(mode):
   assert " copy(" not in hlo[hlo.index("ENTRY"):]
 
 
-def test_sharded_transform_in_a_hand_written_step_updates_in_place():
-  # The same guarantee for users who write their own step around jpack.optax.sharded.
+@pytest.mark.parametrize("transform", ["sharded", "flat"])
+def test_jpack_transforms_in_a_hand_written_step_update_in_place(transform):
+  # The same guarantee for users who write their own step around jpack's transforms.
   params = init_cnn(jax.random.key(0))
   mesh = jax.make_mesh((8,), ("batch",))
   packed = jpack.pack(params, jpack.plan(params, num_shards=8, solo_bytes=1))
-  tx = jpack.optax.sharded(optax.adam(1e-2), "batch")
+  if transform == "sharded":
+    tx = jpack.optax.sharded(optax.adam(1e-2), "batch")
+  else:
+    tx = optax.chain(jpack.optax.allreduce("batch"), jpack.optax.flat(optax.adam(1e-2)))
   init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
   specs = jax.tree.map(lambda x: P("batch") if x.ndim else P(), jax.eval_shape(init, packed))
   opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -18,7 +17,7 @@ from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, sha
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._sharded import ShardedState, sharded
-from jpack._transforms import _after_all
+from jpack._transforms import _after
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -118,7 +117,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
       sq = sum((jnp.sum(jnp.abs(g.astype(jnp.float32)) ** 2) for g in shards.buckets),
                jnp.float32(0))
       grad_norm = jnp.sqrt(lax.psum(sq, axis_name))
-      shards = _after_all(shards, grad_norm, loss)
+      shards = _after(shards, grad_norm, loss)
       local = shard(state.params, axis_name)
       updates, opt_state = tx.update(shards, state.opt_state, local)
       params = all_gather(optax.apply_updates(local, updates), axis_name)
@@ -126,7 +125,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
       grads = reduce_grads(grads)
       grad_norm = optax.tree.norm(grads)
       if mode in ("packed", "allreduce"):
-        grads = _after_all(grads, grad_norm, loss)
+        grads = _after(grads, grad_norm, loss)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}

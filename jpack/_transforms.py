@@ -54,28 +54,32 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _after_all(tree: Any, *scalars: jax.Array) -> Any:
-  """``tree`` unchanged, but each of its arrays computed after all of them and ``scalars``.
+def _after(tree: Any, *scalars: jax.Array) -> Any:
+  """``tree`` unchanged, but each of its arrays computed after ``scalars``.
 
   Reduced bucket by bucket, the gradient of the last layer is ready while the backward
   pass still reads that layer's weights (and a loss metric nothing else needs may read
   any). XLA may then schedule the update of a donated parameter bucket before those
   reads, and it guards every such bucket with a full copy per step (MLP 24x1024: 23
-  copies of 4 MiB per device). Making every gradient depend on one element of every
-  other, and on the loss and the gradient norm when given, orders the updates after the
-  backward pass, and the copies go. ``s > inf`` is false for every value, NaN included,
-  and ``x - 0.0`` is exactly ``x`` (``-0.0`` too), so no value changes.
+  copies of 4 MiB per device). Making every gradient depend on scalars that depend on
+  all gradients (the gradient norm, the loss) orders the updates after the backward
+  pass, and the copies go. ``s > inf`` is false for every value, NaN included, and
+  ``x - 0.0`` is exactly ``x`` (``-0.0`` too), so no value changes.
   """
-  arrays = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  probes = [jnp.real(x.reshape(-1)[0]) for x in arrays if x.size] + list(scalars)
-  if not probes:
+  if not scalars:
     return tree
-  never = functools.reduce(jnp.logical_or, [p > jnp.inf for p in probes])
+  never = functools.reduce(jnp.logical_or, [s > jnp.inf for s in scalars])
 
   def depend(x):
     return x - never.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
   return jax.tree.map(depend, tree)
+
+
+def _after_all(tree: Any) -> Any:
+  """`_after` every array of ``tree``: each depends on one element of every other."""
+  return _after(tree, *[jnp.real(x.reshape(-1)[0]) for x in jax.tree.leaves(tree)
+                        if jnp.issubdtype(x.dtype, jnp.inexact) and x.size])
 
 
 class FlatState(NamedTuple):

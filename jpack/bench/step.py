@@ -295,13 +295,13 @@ def _study_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> jpack.Dat
 
 def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepared:
   _, mode, use_flatten, comm_dtype = VARIANTS[key]
-  if key in ("grad_only", "packed_grad_only", "study_zero1"):
-    if key == "study_zero1":
-      dp = _study_zero1(model, mesh)
-    elif key == "grad_only":
-      dp = _grads_only(model, mesh)
-    else:
-      dp = _grads_only(model, mesh, jpack.plan(model.params, **plan_options))
+  not_data_parallel = {  # variants that are not a jpack.data_parallel mode
+      "grad_only": lambda: _grads_only(model, mesh),
+      "packed_grad_only": lambda: _grads_only(model, mesh,
+                                              jpack.plan(model.params, **plan_options)),
+      "study_zero1": lambda: _study_zero1(model, mesh)}
+  if key in not_data_parallel:
+    dp = not_data_parallel[key]()
     state = jax.block_until_ready(dp.init(model.params))
     compiled = c.compile_fn(dp.step, state, batch)
     state, _ = compiled.fn(state, batch)

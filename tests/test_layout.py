@@ -139,6 +139,32 @@ def test_arrays_scalars_and_shape_structs_plan_alike():
   assert jpack.plan(arrays) == jpack.plan(shapes)
 
 
+def test_slot_paths_are_keystr_for_every_kind_of_node():
+  import collections
+  import dataclasses
+
+  Pair = collections.namedtuple("Pair", "left right")
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass
+  class Block:
+    w: jax.Array
+    b: jax.Array
+
+  class NoKeys:  # registered without keys: paths use FlattenedIndexKey
+    def __init__(self, xs):
+      self.xs = xs
+
+  jax.tree_util.register_pytree_node(NoKeys, lambda n: (n.xs, None), lambda _, xs: NoKeys(xs))
+  tree = {"list": [jnp.ones(2), (jnp.ones(3), np.zeros(1, np.int8)), {3: sds(4)}],
+          "pair": Pair(jnp.ones(1), 2.0), "block": Block(jnp.ones((2, 2)), jnp.ones(2)),
+          "nokeys": NoKeys([jnp.ones(5), jnp.ones(6)])}
+  layout = jpack.plan(tree)
+  expected = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  assert [s.path for s in layout.slots] == expected
+  assert [s.shape for s in layout.slots] == [tuple(np.shape(x)) for x in jax.tree.leaves(tree)]
+
+
 def test_empty_tree_and_none_leaves():
   assert jpack.plan({}).buckets == ()
   layout = jpack.plan({"a": None, "b": sds(2)})

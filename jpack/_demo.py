@@ -12,7 +12,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -22,8 +21,6 @@ DEMO_MODES = ("per_leaf", "ravel", "allreduce", "sharded")  # the default compar
 ALL_MODES = ("per_leaf", "ravel", "allreduce", "packed", "sharded")
 COMM_DTYPES = ("none", "float32", "bfloat16")
 BASELINE = "per_leaf"
-_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
-_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather|all-to-all)(-start)?\(")
 
 
 @dataclasses.dataclass
@@ -155,43 +152,6 @@ def loss_fn(params: dict, batch) -> Any:
 # -- measuring -------------------------------------------------------------------------
 
 
-def count_collectives(hlo_text: str) -> dict[str, int]:
-  """Count all-reduce / reduce-scatter / all-gather / all-to-all ops (sync or async start).
-
-  XLA may merge several collectives into one op on a tuple of arrays (its all-reduce
-  combiner does, on CPU too); such an op counts once here: see `collective_arrays`.
-  """
-  counts = dict.fromkeys(_COLLECTIVES, 0)
-  for line in hlo_text.splitlines():
-    m = _HLO_OP.search(line)
-    if m:
-      counts[m.group(1)] += 1
-  return counts
-
-
-def collective_arrays(hlo_text: str) -> int:
-  """How many arrays all the collective ops in HLO move (the operands of each op)."""
-  total = 0
-  for line in hlo_text.splitlines():
-    m = _HLO_OP.search(line)
-    if not m:
-      continue
-    depth, operands, seen = 0, 0, False
-    for ch in line[m.end():]:  # just past the op's "("
-      if ch in "([{":
-        depth += 1
-      elif ch in ")]}":
-        if depth == 0:
-          break
-        depth -= 1
-      elif ch == "," and depth == 0:
-        operands += 1
-      elif not ch.isspace():
-        seen = True
-    total += operands + 1 if seen else 0
-  return total
-
-
 def grad_bytes_per_step(layout, mode: str, comm_dtype) -> int:
   """Bytes entering the gradient reduction each step, on one device.
 
@@ -286,6 +246,7 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   import optax
 
   import jpack
+  from jpack._hlo import count_collectives
 
   wire = {"none": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[comm_dtype]
   mesh = jax.sharding.Mesh(np.array(devs), ("batch",),
@@ -332,12 +293,12 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
       bar.update(step, loss, dt * 1e3)
     bar.close()
 
-    hlo = compiled_hlo(dp, state, batch)
+    colls = count_collectives(compiled_hlo(dp, state, batch))
     logits = predict(dp.params(state), x_test)
     accuracy = float((np.asarray(logits).argmax(-1) == y_test).mean())
     results.append(ModeResult(
         mode=mode, losses=losses, step_ms=times, compile_s=times[0] / 1e3,
-        collectives=count_collectives(hlo), collective_arrays=collective_arrays(hlo),
+        collectives=colls.count, collective_arrays=colls.arrays,
         grad_bytes=grad_bytes_per_step(dp.layout, mode, wire),
         opt_state_bytes=opt_state_bytes_per_device(state.opt_state, mode, devices),
         test_accuracy=accuracy))

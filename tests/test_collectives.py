@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jpack
 from conftest import bits
-from jpack.bench._common import count_collectives
+from jpack._hlo import count_collectives
 
 N = 8
 FLOATS = [np.float32, jnp.bfloat16, np.float16]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jpack import __main__ as cli
-from jpack._demo import ALL_MODES, collective_arrays, count_collectives
+from jpack._demo import ALL_MODES
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
@@ -105,23 +105,6 @@ def test_layout_command(capsys):
   text = capsys.readouterr().out
   assert text.startswith("gpt2_small:")
   assert "Layout " in text and "bucket" in text and "float32" in text
-
-
-def test_count_collectives():
-  hlo = """
-  %all-reduce = (f32[4]{0}, f32[2,3]{1,0}) all-reduce(f32[4]{0} %a, f32[2,3]{1,0} %b), to_apply=%add
-  %all-reduce.1 = f32[] all-reduce(f32[] %x), replica_groups={}
-  %ars = (f32[8]) all-reduce-start(f32[8] %y)
-  %rs = f32[2]{0} reduce-scatter(f32[8]{0} %z), dimensions={0}
-  %ag = f32[8]{0} all-gather(f32[2]{0} %rs), dimensions={0}
-  %d = f32[8]{0} all-gather-done(%ag)
-  """
-  assert count_collectives(hlo) == {"all-reduce": 3, "reduce-scatter": 1, "all-gather": 1,
-                                    "all-to-all": 0}
-  assert collective_arrays(hlo) == 6
-  # A narrow wire (comm_dtype=bf16) reduces through all-to-all: it must show up too.
-  a2a = "%a = (u16[1,4]{1,0}, u16[1,4]{1,0}) all-to-all(u16[1,4]{1,0} %p, u16[1,4]{1,0} %q)"
-  assert count_collectives(a2a)["all-to-all"] == 1 and collective_arrays(a2a) == 2
 
 
 def test_missing_demo_extra_says_what_to_install(monkeypatch, capsys):

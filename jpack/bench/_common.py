@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from jpack._hlo import Collectives, count_collectives  # noqa: F401  (the benches use both)
+
 # -- workloads -------------------------------------------------------------------------
 
 
@@ -242,60 +244,6 @@ def time_python(f: Callable, *args: Any, runs: int = 20) -> Timing:
     f(*args)
     times.append(time.perf_counter() - t0)
   return Timing(statistics.median(times), min(times), len(times))
-
-
-# -- compiled HLO ----------------------------------------------------------------------
-
-_COLLECTIVE_RE = re.compile(
-    r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>all-reduce|reduce-scatter|all-gather|all-to-all)(?P<start>-start)?\(")
-_INDEX_COMMENT_RE = re.compile(r"/\*index=\d+\*/")
-_SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
-_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-              "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-              "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-
-COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
-
-
-@dataclasses.dataclass
-class Collectives:
-  """Collective ops in a compiled HLO module: counts and result bytes per kind."""
-
-  count: dict[str, int]
-  result_bytes: dict[str, int]
-
-  def short(self) -> str:
-    abbrev = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A"}
-    parts = [f"{abbrev[k]}{self.count[k]}" for k in COLLECTIVE_OPS if self.count[k]]
-    return " ".join(parts) or "-"
-
-
-def count_collectives(hlo_text: str) -> Collectives:
-  """Count ``all-reduce(``, ``reduce-scatter(``, ``all-gather(``, ``all-to-all(`` (and ``-start`` forms).
-
-  Also sums the bytes of each op's result type (a tuple all-reduce counts all its
-  elements; for async ``-start`` ops the bytes are not counted).
-  """
-  count = {k: 0 for k in COLLECTIVE_OPS}
-  nbytes = {k: 0 for k in COLLECTIVE_OPS}
-  for line in hlo_text.splitlines():
-    line = _INDEX_COMMENT_RE.sub("", line)  # long tuples carry /*index=N*/ markers
-    m = _COLLECTIVE_RE.search(line)
-    if not m:
-      # Fallback: a form the regex does not parse still counts.
-      for k in COLLECTIVE_OPS:
-        if f" {k}(" in line or f" {k}-start(" in line:
-          count[k] += 1
-      continue
-    op = m.group("op")
-    count[op] += 1
-    if m.group("start"):
-      continue
-    for dtype, dims in _SHAPE_RE.findall(m.group("type")):
-      size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-      nbytes[op] += size * _HLO_BYTES.get(dtype, 4)
-  return Collectives(count, nbytes)
 
 
 # -- tables ----------------------------------------------------------------------------

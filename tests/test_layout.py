@@ -114,12 +114,22 @@ def test_solo_bytes_gives_big_leaves_their_own_bucket_and_keeps_small_ones_toget
       [(10,), (10,), (10,)], [(100,)], [(200,)]]
   big = layout.buckets[layout.slots[1].bucket]
   assert big.size == 100 and layout.slots[1].offset == 0  # no padding: a free reshape
-  # Off (the default): everything shares the one open bucket.
+  # Off: everything shares the one open bucket (these leaves are all under the 1 MiB default).
+  assert len(jpack.plan(tree, align_bytes=4, reverse=False, solo_bytes=None).buckets) == 1
   assert len(jpack.plan(tree, align_bytes=4, reverse=False).buckets) == 1
   back = jpack.unpack(jpack.pack([np.arange(np.prod(s.shape), dtype=np.float32)
                                   for s in tree], layout))
   for i, s in enumerate(tree):
     np.testing.assert_array_equal(back[i], np.arange(np.prod(s.shape), dtype=np.float32))
+
+
+def test_default_solo_bytes_is_one_mib():
+  mib = 2**20 // 4  # f32 elements in 1 MiB
+  tree = [sds(10), sds(mib), sds(10), sds(mib - 64), sds(10)]
+  layout = jpack.plan(tree, reverse=False)
+  assert [[layout.slots[j].shape for j in b.slots] for b in layout.buckets] == [
+      [(10,), (10,), (mib - 64,), (10,)], [(mib,)]]
+  assert len(jpack.plan(tree, reverse=False, solo_bytes=None).buckets) == 1
 
 
 def test_group_fn_separates_labels():

@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--bucket-bytes", type=int, default=None,
                       help="jpack.plan bucket_bytes (default: jpack's, 4 MiB)")
   parser.add_argument("--solo-bytes", type=int, default=None,
-                      help="jpack.plan solo_bytes (default: jpack's, None; 0 = None)")
+                      help="jpack.plan solo_bytes (default: jpack's, 1 MiB; 0 = None)")
   parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
   args = parser.parse_args(argv)
   c.require_devices(NUM_DEVICES)

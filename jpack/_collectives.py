@@ -58,12 +58,15 @@ def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     axis_name: the mesh / pmap axis to reduce over.
     comm_dtype: wire dtype of real floating buckets, e.g. ``jnp.float32`` to
       accumulate bf16 gradients in f32, or ``jnp.bfloat16`` to halve the bytes sent for
-      f32 gradients. With the scatter_gather method, a wire of fewer than 32 bits (a
-      narrower comm_dtype, or a bf16/f16/fp8 bucket's own dtype) travels as same-width
-      integers through ``all_to_all`` + ``all_gather``, so those bytes really are what
-      moves on every backend (XLA:CPU widens 16-bit float collectives to f32), and each
-      device accumulates in f32 (or the wider bucket dtype). Results come back in each
-      leaf's own dtype. Integer and complex buckets are always sent in their own dtype.
+      f32 gradients. When a bucket is reduce-scattered (``method="scatter_gather"``,
+      or ``"auto"`` when it splits evenly), a wire narrower than the bucket's dtype or
+      than 32 bits (a narrower comm_dtype, or a bf16/f16/fp8 bucket's own dtype)
+      travels as same-width integers through ``all_to_all`` + ``all_gather``, so those
+      bytes really are what moves on every backend (XLA:CPU widens 16-bit float
+      collectives to f32), and each device accumulates in the wider of f32 and the
+      bucket dtype. Otherwise the bucket is cast to the wire dtype and reduced in it.
+      Results come back in each leaf's own dtype. Integer and complex buckets are
+      always sent in their own dtype.
     layout: the `Layout` to pack with (planned from ``tree`` if omitted, with
       ``num_shards`` set to the axis size).
     method: ``"psum"`` (one ``lax.psum`` per bucket), ``"scatter_gather"``
@@ -78,6 +81,19 @@ def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
   Raises:
     TypeError: a leaf is a bool or a PRNG key (neither can be summed; cast bools to an
       integer dtype first).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jpack
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> n = jax.device_count()
+    >>> mesh = jax.make_mesh((n,), ("batch",))
+    >>> tree = {"w": jnp.ones((n, 3)), "count": jnp.ones(n, jnp.int32)}
+    >>> tree = jax.device_put(tree, NamedSharding(mesh, P("batch")))  # one row per device
+    >>> f = jax.shard_map(lambda t: jpack.psum(t, "batch"), mesh=mesh,
+    ...                   in_specs=P("batch"), out_specs=P())
+    >>> out = f(tree)    # every device gets the sum of the rows
+    >>> int(out["count"][0]) == n, out["w"].shape, out["count"].dtype
+    (True, (1, 3), dtype('int32'))
   """
   return _reduce(tree, axis_name, mean=False, comm_dtype=comm_dtype, layout=layout,
                  method=method, allow_int=True, plan_options=plan_options)
@@ -88,8 +104,10 @@ def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
           **plan_options: Any) -> Any:
   """Average ``tree`` over ``axis_name``, one collective per bucket.
 
-  Equal to per-leaf ``jax.lax.pmean`` for floating leaves, to float rounding. The mean
-  is divided in the wider of the leaf dtype and ``comm_dtype``.
+  Equal to per-leaf ``jax.lax.pmean`` for floating leaves, to float rounding. The sum
+  is divided in the dtype it was accumulated in (see ``comm_dtype`` in `jpack.psum`:
+  at least f32 on the integer-bits path, else the wider of the leaf dtype and
+  ``comm_dtype``), then cast back to the leaf dtype.
 
   Args:
     tree: as in `jpack.psum`.
@@ -201,8 +219,9 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
               layout: Layout | None = None, **plan_options: Any) -> Any:
   """Give every device ``root``'s values of ``tree`` (e.g. the initial parameters).
 
-  Bit-exact for every dtype (floats travel as same-width unsigned integers, so ``-0.0``
-  and NaN payloads survive), including bools and PRNG keys.
+  Bit-exact for every dtype (floats, and the real and imaginary parts of complex
+  numbers, travel as same-width unsigned integers, so ``-0.0`` and NaN payloads
+  survive), including bools and PRNG keys.
 
   Args:
     tree: a pytree of arrays, or a `Packed`.
@@ -219,24 +238,24 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
     raise ValueError(f"root must be an int in [0, {n}) for axis {axis_name!r}, got {root!r}.")
   packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=1)
   is_root = lax.axis_index(axis_name) == root
+
+  def send(bits):  # an integer sum in which only root contributes
+    return lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name)
+
+  def send_float(x):
+    return lax.bitcast_convert_type(send(lax.bitcast_convert_type(x, _bits_dtype(x.dtype))),
+                                    x.dtype)
+
   out = []
   for x in packed.buckets:
-    dtype = x.dtype
-    if dtype == jnp.bool_:
-      bits = x.astype(jnp.uint8)
-    elif jnp.issubdtype(dtype, jnp.complexfloating):
-      bits = x  # no same-width integer type without x64; exact except for the sign of 0
-    elif jnp.issubdtype(dtype, jnp.floating):
-      bits = lax.bitcast_convert_type(x, _bits_dtype(dtype))
+    if x.dtype == jnp.bool_:
+      out.append(send(x.astype(jnp.uint8)).astype(jnp.bool_))
+    elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+      out.append(lax.complex(send_float(jnp.real(x)), send_float(jnp.imag(x))))
+    elif jnp.issubdtype(x.dtype, jnp.floating):
+      out.append(send_float(x))
     else:
-      bits = x
-    summed = lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name)
-    if dtype == jnp.bool_:
-      out.append(summed.astype(jnp.bool_))
-    elif bits.dtype != dtype:
-      out.append(lax.bitcast_convert_type(summed, dtype))
-    else:
-      out.append(summed)
+      out.append(send(x))
   result = Packed(tuple(out), packed.layout)
   return result if was_packed else unpack(result)
 

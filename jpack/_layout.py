@@ -220,7 +220,8 @@ class Layout:
     Args:
       text: the JSON string.
       treedef: the tree structure. Needed only for trees with node types other than
-        dict, list, tuple and None (for example namedtuples or dataclasses), whose
+        dict, list, tuple and None (for example namedtuples or dataclasses), or with dict
+        keys other than str, int, float, bool and None (for example tuples), whose
         structure JSON cannot describe; it must match the saved structure.
 
     Returns:
@@ -291,7 +292,7 @@ def plan(
     >>> tree = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4), "step": jnp.int32(0)}
     >>> layout = jpack.plan(tree, align_bytes=16)
     >>> [(b.dtype.name, b.size) for b in layout.buckets]
-    [('int32', 4), ('float32', 16)]
+    [('float32', 16), ('int32', 4)]
   """
   _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
                  solo_bytes)
@@ -467,8 +468,13 @@ def _checked_dtype(dtype: Any, path: str) -> Any:
   checked = dtype
   if not _is_key_dtype(dtype):
     checked = np.dtype(dtype)
-    if checked.kind not in "biufcV":  # "V": ml_dtypes' bfloat16, float8_*, int4, ...
-      raise TypeError(f"Leaf at {path or '<root>'} has dtype {checked}, which jpack "
+    # ml_dtypes' bfloat16, float8_*, int4... have kind "V" but are numbers; float0 and
+    # structured or raw-bytes dtypes are "V" too and are not.
+    if not (checked.kind in "biufc" or jnp.issubdtype(checked, jnp.number)):
+      hint = (" (the gradient of an integer or bool leaf under allow_int=True: drop those "
+              "leaves, or differentiate only the float ones)"
+              if checked == jax.dtypes.float0 else "")
+      raise TypeError(f"Leaf at {path or '<root>'} has dtype {checked}{hint}, which jpack "
                       "cannot pack; expected a bool, integer, float or complex dtype.")
   try:
     _CHECKED_DTYPES[dtype] = checked
@@ -508,6 +514,9 @@ def _structure_to_json(treedef: Any) -> Any:
     if node is None:
       return {"none": None}
     if type(node) is dict:
+      # Only keys JSON gives back unchanged; a tuple key would come back a list.
+      if not all(k is None or type(k) in (str, int, float, bool) for k in node):
+        raise _Unencodable
       return {"dict": [[k, encode(v)] for k, v in node.items()]}
     if type(node) is list:
       return {"list": [encode(v) for v in node]}

@@ -156,9 +156,7 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
 
   def update_fn(updates, state, params=None):
     del params
-    leaves = jax.tree.leaves(updates)
-    squares = sum((jnp.sum(jnp.abs(x.astype(jnp.float32)) ** 2) for x in leaves),
-                  jnp.float32(0))
+    squares = _sum_of_squares(jax.tree.leaves(updates))
     if axis_name is not None:
       squares = lax.psum(squares, axis_name)
     norm = jnp.sqrt(squares)
@@ -166,6 +164,15 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
     return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _sum_of_squares(xs: Any) -> jax.Array:
+  """Sum of ``|x|**2`` over arrays, in at least f32 (complex parts both counted)."""
+  def one(x):
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.sum(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
+
+  return sum((one(x) for x in xs), jnp.float32(0))
 
 
 # -- checkpoints -----------------------------------------------------------------------
@@ -192,15 +199,27 @@ def gather_state(state: ShardedState) -> Any:
 
   def is_buckets(x):
     return (isinstance(x, tuple) and len(x) == len(sizes) and len(sizes) > 0 and all(
-        hasattr(a, "shape") and tuple(a.shape) == (s,) for a, s in zip(x, sizes)))
+        _is_masked(a) or (hasattr(a, "shape") and tuple(a.shape) == (s,))
+        for a, s in zip(x, sizes)))
 
   def convert(x):
-    if is_buckets(x):
-      return unpack(Packed(tuple(jnp.asarray(_to_host(a)) for a in x), layout))
-    return x
+    if not is_buckets(x):
+      return x
+    # With labels, optax.multi_transform gives each label's state MaskedNode() in place
+    # of the other labels' buckets; on the full tree it has MaskedNode() for their leaves.
+    buckets = tuple(jnp.zeros(b.size, b.dtype) if _is_masked(a) else jnp.asarray(_to_host(a))
+                    for a, b in zip(x, layout.buckets))
+    leaves = layout.treedef.flatten_up_to(unpack(Packed(buckets, layout)))
+    return layout.treedef.unflatten(
+        optax.MaskedNode() if _is_masked(x[slot.bucket]) else leaf
+        for slot, leaf in zip(layout.slots, leaves))
 
   return jax.tree.map(convert, state.inner_state, is_leaf=lambda x: is_buckets(x) or
-                      isinstance(x, optax.MaskedNode))
+                      _is_masked(x))
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
 
 
 def _to_host(x: Any) -> np.ndarray:
@@ -223,26 +242,71 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
   Returns:
     A global `ShardedState` whose bucket tuples are full buckets; place it on devices
     with the sharding of the new run's state.
+
+  Raises:
+    ValueError: naming the key path, if the saved state's structure, shapes or dtypes
+      do not match the new run's (another optimizer, other params, other labels).
   """
   layout = like.layout
   params_def = layout.treedef
 
   def is_params(x):
-    return not hasattr(x, "shape") and jax.tree.structure(x) == params_def
+    return (not hasattr(x, "shape") and
+            jax.tree.structure(x, is_leaf=_is_masked) == params_def)
 
-  like_leaves = jax.tree.structure(like.inner_state)
-  converted = jax.tree.map(lambda x: pack(x, layout).buckets if is_params(x) else x,
-                           tree_state, is_leaf=lambda x: is_params(x) or
-                           isinstance(x, optax.MaskedNode))
-  if jax.tree.structure(converted) != like_leaves:
+  def to_buckets(path, x):
+    leaves = params_def.flatten_up_to(x)
+    masked = [_is_masked(v) for v in leaves]
+    for slot, v, m in zip(layout.slots, leaves, masked):
+      if not m and (np.shape(v) != slot.shape or jnp.result_type(v) != slot.dtype):
+        raise ValueError(
+            f"Saved optimizer state at {jax.tree_util.keystr(path)}{slot.path} has shape "
+            f"{np.shape(v)} and dtype {jnp.result_type(v)}; the params there are "
+            f"{slot.shape} {slot.dtype}.")
+    buckets = []
+    for b, bucket in enumerate(layout.buckets):
+      flags = {masked[i] for i in bucket.slots}
+      if len(flags) > 1:
+        raise ValueError(
+            f"Bucket {b} of the new layout mixes leaves the saved state masks and leaves it "
+            "does not: plan the new run with the same labels= as the saved one.")
+      buckets.append(flags == {True})
+    zeros = [jnp.zeros(s.shape, s.dtype) if m else v
+             for s, v, m in zip(layout.slots, leaves, masked)]
+    packed = pack(params_def.unflatten(zeros), layout).buckets
+    return tuple(optax.MaskedNode() if m else p for p, m in zip(packed, buckets))
+
+  converted = jax.tree_util.tree_map_with_path(
+      lambda path, x: to_buckets(path, x) if is_params(x) else x, tree_state,
+      is_leaf=lambda x: is_params(x) or _is_masked(x))
+  like_def = jax.tree.structure(like.inner_state)
+  if jax.tree.structure(converted) != like_def:
     raise ValueError("The saved optimizer state does not match the new optimizer's state "
                      f"structure: got {jax.tree.structure(converted)}, expected "
-                     f"{like_leaves}. Was it saved from the same inner transformation?")
+                     f"{like_def}. Was it saved from the same inner transformation?")
+  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(converted),
+                               jax.tree.leaves(like.inner_state)):
+    if np.shape(got) != tuple(want.shape) or jnp.result_type(got) != want.dtype:
+      raise ValueError(
+          f"Saved optimizer state at {jax.tree_util.keystr(path)} has shape "
+          f"{np.shape(got)} and dtype {jnp.result_type(got)}; the new run expects "
+          f"{tuple(want.shape)} {want.dtype}.")
   return ShardedState(converted, layout)
 
 
 def state_bytes_per_device(state: ShardedState, num_devices: int) -> int:
-  """Bytes of optimizer state each device holds (slice-shaped leaves count 1/N)."""
+  """Bytes of optimizer state each device holds.
+
+  Args:
+    state: the global `ShardedState` (as returned from ``shard_map``, or its
+      ``jax.eval_shape``): each slice-shaped leaf is the full bucket, split over devices.
+    num_devices: the number of devices it is split over (the axis size it was planned
+      for).
+
+  Returns:
+    Bytes per device: ``1/num_devices`` of every bucket-shaped leaf plus every scalar
+    (step counts), which each device holds whole.
+  """
   total = 0
   for x in jax.tree.leaves(state.inner_state):
     nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, shard, vary
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
-from jpack._sharded import ShardedState, sharded
-from jpack._transforms import _after
+from jpack._sharded import ShardedState, _sum_of_squares, sharded
+from jpack._transforms import Labels, _after, _check_inner, _group_fn_for, _labelled
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -38,10 +38,11 @@ class DataParallel(NamedTuple):
   layout: Layout                                   # the bucket layout of the params
 
 
-def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.GradientTransformation,
+def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
+                  optimizer: optax.GradientTransformation | dict[Any, optax.GradientTransformation],
                   params_like: Any, mesh: Mesh | None = None, *, axis_name: str = "batch",
-                  mode: str = "packed", comm_dtype: Any = None, root: int = 0,
-                  use_pmap: bool = False, **plan_options: Any) -> DataParallel:
+                  mode: str = "packed", labels: Labels = None, comm_dtype: Any = None,
+                  root: int = 0, use_pmap: bool = False, **plan_options: Any) -> DataParallel:
   """Build a jit-compiled data-parallel training step.
 
   The batch is split over ``axis_name`` (leading dimension), gradients are averaged
@@ -51,17 +52,24 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar loss`` on one device's batch slice.
-    optimizer: the optax optimizer (without any all-reduce: the step adds it).
+    optimizer: the optax optimizer (without any all-reduce: the step adds it), or a dict
+      ``{label: optimizer}`` with ``labels``.
     params_like: the params tree, or a tree of `jax.ShapeDtypeStruct`; fixes the layout.
     mesh: a 1-D `jax.sharding.Mesh` whose axis is ``axis_name`` (default: all devices).
     axis_name: the data-parallel axis.
     mode: how gradients are reduced:
       ``"packed"`` (default) params live as a `jpack.Packed`; the loss unpacks them, so
       gradients arrive packed (no per-step pack) and the optimizer updates the buckets.
-      ``"allreduce"`` params stay a tree; ``jpack.optax.allreduce`` packs the gradients.
+      ``"allreduce"`` params stay a tree; `jpack.pmean` packs the gradients, reduces
+      them bucket by bucket and unpacks them for the optimizer.
       ``"sharded"`` ZeRO-1 (`jpack.optax.sharded`) on packed params.
       ``"per_leaf"`` / ``"ravel"`` baselines: per-leaf ``lax.pmean`` /
       ``ravel_pytree`` + one ``pmean``.
+    labels: per-leaf labels (a tree like the params, or ``params -> tree``) choosing
+      each leaf's optimizer from the dict ``optimizer``, as in
+      `optax.multi_transform`: no weight decay on biases and norms, frozen leaves
+      (``optax.set_to_zero()``). Each label gets its own buckets, so this works in the
+      packed and ZeRO-1 modes too, where an ``optax.masked`` mask would see buckets.
     comm_dtype: wire dtype of the gradient collectives (jpack modes only).
     root: the device whose initial parameters everyone gets.
     use_pmap: build the step with `jax.pmap` instead of `jax.shard_map` (state and
@@ -80,12 +88,18 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
                          axis_types=(jax.sharding.AxisType.Explicit,))
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+  _check_inner(optimizer, labels)
   n = mesh.shape[axis_name]
-  layout = plan(params_like, **{"num_shards": n, **plan_options})
+  layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
+                **{"num_shards": n, **plan_options})
   packed_params = mode in ("packed", "sharded")
   if mode == "sharded":
-    tx = sharded(optimizer, axis_name, comm_dtype=comm_dtype, **{"num_shards": n,
-                                                                  **plan_options})
+    tx = sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
+                 **{"num_shards": n, **plan_options})
+  elif mode == "packed" and isinstance(optimizer, Mapping):
+    tx = _on_buckets(_labelled(optimizer, layout), layout)
+  elif isinstance(optimizer, Mapping):
+    tx = optax.multi_transform(optimizer, labels)
   else:
     tx = optimizer
 
@@ -114,9 +128,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
     loss = lax.pmean(loss, axis_name)
     if mode == "sharded":
       shards = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
-      sq = sum((jnp.sum(jnp.abs(g.astype(jnp.float32)) ** 2) for g in shards.buckets),
-               jnp.float32(0))
-      grad_norm = jnp.sqrt(lax.psum(sq, axis_name))
+      grad_norm = jnp.sqrt(lax.psum(_sum_of_squares(shards.buckets), axis_name))
       shards = _after(shards, grad_norm, loss)
       local = shard(state.params, axis_name)
       updates, opt_state = tx.update(shards, state.opt_state, local)
@@ -156,6 +168,15 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gra
     return step_sm(state, batch)
 
   return DataParallel(init, step, jax.jit(to_tree), layout)
+
+
+def _on_buckets(tx: optax.GradientTransformation, layout: Layout) -> optax.GradientTransformation:
+  """``tx`` over a tuple of buckets, as a transformation of `Packed` updates and params."""
+  def update(updates, state, params=None):
+    new, state = tx.update(updates.buckets, state, None if params is None else params.buckets)
+    return Packed(tuple(new), layout), state
+
+  return optax.GradientTransformation(lambda params: tx.init(params.buckets), update)
 
 
 def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:

@@ -226,6 +226,11 @@ def test_broadcast_is_bit_exact_for_every_dtype_and_root():
   tree["neg_zero"] = np.full((N, 2), -0.0, np.float32)
   tree["nan"] = np.full((N, 1), np.nan, np.float32)
   tree["flags"] = rng.integers(0, 2, size=(N, 5)).astype(bool)
+  # complex with -0.0 and NaN-payload parts (a psum of complex values would lose them)
+  parts = rng.normal(size=(N, 3, 2)).astype(np.float32)  # (real, imag) pairs
+  parts[:, 0, 1] = -0.0
+  parts[:, 1, 0] = np.uint32(0x7FC01234).view(np.float32)
+  tree["complex"] = parts.view(np.complex64)[..., 0]
   # every bf16 / f16 bit pattern (signalling NaNs, subnormals), different on each device
   patterns = np.arange(2**16, dtype=np.uint16)
   rolled = np.stack([np.roll(patterns, 7 * d) for d in range(N)])

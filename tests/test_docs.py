@@ -27,6 +27,21 @@ def _code(page):
   return [textwrap.dedent(code) for _, code in _BLOCK.findall((DOCS / page).read_text())]
 
 
+def _shown_outputs(page):
+  """{index of a ```python block: the ```text block right after it} (its printed output)."""
+  text = (DOCS / page).read_text()
+  shown = {}
+  for i, match in enumerate(_BLOCK.finditer(text)):
+    after = re.match(r"\s*\n([ \t]*)```text[ \t]*\n(.*?)^\1```", text[match.end():],
+                     re.MULTILINE | re.DOTALL)
+    if after:
+      shown[i] = textwrap.dedent(after.group(2))
+  return shown
+
+
+_SEPARATOR = "----- end of block -----"
+
+
 def _env():
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"     # the examples simulate devices on the CPU
@@ -53,8 +68,13 @@ def test_every_page_is_in_the_nav():
 def test_page_examples_run(page, tmp_path):
   blocks = _code(page)
   script = tmp_path / "page.py"
-  script.write_text("\n\n".join(blocks))
+  script.write_text(f"\nprint({_SEPARATOR!r})\n".join(blocks))
   result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, (
       f"the ```python blocks of docs/{page} failed:\n{result.stderr[-5000:]}")
+  # Output shown in the page (a ```text block right after the code) is what it prints.
+  printed = result.stdout.split(_SEPARATOR + "\n")
+  for i, shown in _shown_outputs(page).items():
+    assert printed[i].rstrip() == shown.rstrip(), (
+        f"docs/{page}: block {i} prints\n{printed[i]}\nbut the page shows\n{shown}")

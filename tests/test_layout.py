@@ -222,6 +222,22 @@ def test_from_json_needs_treedef_for_custom_nodes():
     jpack.Layout.from_json('{"format": "other"}')
 
 
+def test_from_json_needs_treedef_for_tuple_dict_keys():
+  tree = {("enc", 0): sds(3), ("enc", 1): sds(2)}
+  text = jpack.plan(tree).to_json()  # JSON would turn the tuple keys into lists
+  with pytest.raises(ValueError, match="treedef="):
+    jpack.Layout.from_json(text)
+  assert jpack.Layout.from_json(text, treedef=jax.tree.structure(tree)) == jpack.plan(tree)
+
+
+@pytest.mark.parametrize("dtype", [jax.dtypes.float0, np.dtype([("a", np.float32)]),
+                                   np.dtype("V4")])
+def test_non_numeric_void_dtypes_are_refused_with_the_path(dtype):
+  tree = {"ok": sds(2), "bad": np.zeros(3, dtype)}
+  with pytest.raises(TypeError, match=r"\['bad'\].*cannot pack"):
+    jpack.plan(tree)
+
+
 def test_fingerprint_is_stable_across_processes():
   code = ("import jax, json, jpack;"
           "d=json.load(open(jpack.__path__[0]+'/workloads/bert_base.json'));"

@@ -100,9 +100,10 @@ def test_unshardable_inner_transforms_are_refused(inner):
     jpack.optax.sharded(inner(), "batch")
 
 
-def _train(mesh, params, opt_state=None, steps=10, start=0):
-  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode="sharded",
-                           align_bytes=16)
+def _train(mesh, params, opt_state=None, steps=10, start=0, mode="sharded", optimizer=None,
+           labels=None):
+  dp = jpack.data_parallel(loss_fn, optimizer or optax.adam(1e-2), params, mesh, mode=mode,
+                           labels=labels, align_bytes=16)
   state = dp.init(params)
   if opt_state is not None:
     placed = jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, state.opt_state))
@@ -159,3 +160,65 @@ def test_optimizer_memory_is_one_over_n():
   for x in jax.tree.leaves(state.opt_state):
     if x.ndim:
       assert x.addressable_shards[0].data.shape[0] == x.shape[0] // 8
+
+
+LABELS = lambda p: {"dense": {"w": "decay", "b": "no_decay"}, "norm": {"scale": "frozen"},
+                    "emb": "decay"}
+
+
+def labelled_optimizer():
+  return {"decay": optax.adamw(1e-2, weight_decay=0.5), "no_decay": optax.adam(1e-2),
+          "frozen": optax.set_to_zero()}
+
+
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
+def test_data_parallel_with_labels_equals_optax_multi_transform(mode):
+  mesh = jax.make_mesh((8,), ("batch",))
+  dp, state = _train(mesh, f32_params(), mode=mode, optimizer=labelled_optimizer(),
+                     labels=LABELS)
+  ref_dp, ref = _train(mesh, f32_params(), mode="per_leaf", optimizer=labelled_optimizer(),
+                       labels=LABELS)
+  assert_trees_close(dp.params(state), ref_dp.params(ref), tol=1e-4)
+  np.testing.assert_array_equal(dp.params(state)["norm"]["scale"], params0()["norm"]["scale"])
+  # Each label has buckets of its own.
+  assert {b.group[1] for b in dp.layout.buckets} == {"decay", "no_decay", "frozen"}
+
+
+def test_labelled_checkpoint_is_multi_transform_state_and_resumes_on_4():
+  """gather_state of a labelled ZeRO-1 state is optax.multi_transform's full-tree state."""
+  mesh8 = jax.make_mesh((8,), ("batch",))
+  mesh4 = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
+  kw = dict(optimizer=labelled_optimizer(), labels=LABELS)
+  dp8, s8 = _train(mesh8, f32_params(), **kw)
+  _, ref = _train(mesh8, f32_params(), mode="per_leaf", **kw)
+  tree_state = jpack.optax.gather_state(s8.opt_state)
+  assert jax.tree.structure(tree_state) == jax.tree.structure(ref.opt_state)
+  assert_trees_close(tree_state, ref.opt_state, tol=1e-4)
+  saved = jax.tree.map(np.asarray, tree_state)
+  params = dp8.params(s8)
+  # Resume ZeRO-1 on 4 devices, and plain optax (per-leaf) on 4 devices, from the same save.
+  dp4, fresh4 = _train(mesh4, params, steps=0, **kw)
+  restored = jpack.optax.scatter_state(saved, like=fresh4.opt_state)
+  _, s4 = _train(mesh4, params, opt_state=restored, steps=5, start=1, **kw)
+  ref_dp4, r4 = _train(mesh4, params, opt_state=saved, steps=5, start=1, mode="per_leaf", **kw)
+  assert_trees_close(dp4.params(s4), ref_dp4.params(r4), tol=1e-4)
+  again = jpack.optax.gather_state(restored)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_scatter_state_refuses_a_state_of_other_shapes():
+  mesh = jax.make_mesh((8,), ("batch",))
+  _, state = _train(mesh, f32_params(), steps=0)
+  saved = jax.tree.map(np.asarray, jpack.optax.gather_state(state.opt_state))
+  saved[0].mu["dense"]["w"] = np.zeros((7, 4), np.float32)  # not the (6, 4) of the params
+  with pytest.raises(ValueError, match=r"mu\['dense'\]\['w'\]"):
+    jpack.optax.scatter_state(saved, like=state.opt_state)
+
+
+def test_clip_by_global_norm_counts_both_parts_of_complex_leaves():
+  tree = {"z": jnp.array([3j, 4j], jnp.complex64), "x": jnp.array([1.0, -2.0])}
+  got, _ = jpack.optax.clip_by_global_norm(1.0).update(tree, optax.EmptyState())
+  want, _ = optax.clip_by_global_norm(1.0).update(tree, optax.EmptyState())
+  for k in tree:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6)

@@ -272,7 +272,7 @@ def test_shard_takes_this_devices_slice():
 
   out = jax.jit(jax.shard_map(fn, mesh=m, in_specs=P(), out_specs=P("batch")))(
       jax.device_put(tree, NamedSharding(m, P())))
-  np.testing.assert_array_equal(out, np.asarray(jpack.pack(tree, layout).buckets[0]))
+  np.testing.assert_array_equal(out, np.arange(40, dtype=np.float32))  # the bucket is x
 
 
 # -- refusals --------------------------------------------------------------------------
@@ -288,6 +288,30 @@ def test_mean_of_ints_is_refused_unless_asked():
     _trace(lambda t: jpack.pmean(t, "batch"), tree)
   got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True), tree)
   assert got["step"].dtype == jnp.int32 and int(got["step"][0]) == 3
+
+
+@pytest.mark.parametrize("method", ["psum", "scatter_gather"])
+def test_allowed_int_mean_is_the_floor_of_the_exact_mean(method):
+  rng = np.random.default_rng(11)
+  ints = rng.integers(-50, 50, size=(N, 16)).astype(np.int32)  # differs on every device
+  want = np.floor_divide(ints.sum(0), N)
+  got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True, method=method),
+               {"i": ints})
+  np.testing.assert_array_equal(got["i"], want)
+  layout = jpack.plan({"i": ints[0]}, num_shards=N)
+  shards = _trace(lambda t: jpack.all_gather(jpack.reduce_scatter(
+      jpack.pack(t, layout), "batch", mean=True, allow_int=True), "batch").buckets[0],
+      {"i": ints})
+  np.testing.assert_array_equal(shards[:16], want)
+
+
+def test_scatter_gather_refuses_a_bucket_that_does_not_split_evenly():
+  tree = {"w": np.ones((N, 3), np.float32)}
+  layout = jpack.plan({"w": np.ones(3, np.float32)}, align_bytes=4)  # 3 elements, 1 shard
+  with pytest.raises(ValueError, match="num_shards=8"):
+    _trace(lambda t: jpack.psum(t, "batch", layout=layout, method="scatter_gather"), tree)
+  got = _trace(lambda t: jpack.psum(t, "batch", layout=layout), tree)  # auto: a psum
+  np.testing.assert_array_equal(got["w"], np.full(3, N, np.float32))
 
 
 def test_bools_and_keys_are_refused_by_reductions():

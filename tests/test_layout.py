@@ -22,7 +22,7 @@ def sds(*shape, dtype=F32):
 
 
 def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_bytes=None,
-                     align_bytes=256, num_shards=1):
+                     align_bytes=256, num_shards=1, reverse=True, solo_bytes=2**20):
   """Every rule of plan(), checked from first principles on the result."""
   leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
   assert len(layout.slots) == len(leaves_with_path)
@@ -33,8 +33,10 @@ def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_byt
   seen = set()
   first_of_group = {}
   for b_index, bucket in enumerate(layout.buckets):
-    first_of_group.setdefault(bucket.group, b_index)
     members = [layout.slots[j] for j in bucket.slots]
+    if not (solo_bytes is not None and len(members) == 1 and
+            members[0].size * bucket.dtype.itemsize >= solo_bytes):
+      first_of_group.setdefault(bucket.group, b_index)
     align = max(1, align_bytes // bucket.dtype.itemsize)
     assert bucket.size % (align * num_shards) == 0
     end = 0
@@ -48,13 +50,50 @@ def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_byt
       assert slot.offset >= end  # no overlap, offset order
       end = slot.offset + slot.size
     assert end <= bucket.size
-    cap = first_bucket_bytes if (first_bucket_bytes and first_of_group[bucket.group]
+    cap = first_bucket_bytes if (first_bucket_bytes and first_of_group.get(bucket.group)
                                  == b_index) else bucket_bytes
     if len(members) > 1:
       assert end * bucket.dtype.itemsize <= cap
     if max_leaves is not None:
       assert len(members) <= max_leaves
   assert seen == set(range(len(layout.slots)))
+  check_greedy_fill(layout, bucket_bytes=bucket_bytes, max_leaves=max_leaves,
+                    first_bucket_bytes=first_bucket_bytes, align_bytes=align_bytes,
+                    reverse=reverse, solo_bytes=solo_bytes)
+
+
+def check_greedy_fill(layout, *, bucket_bytes, max_leaves, first_bucket_bytes, align_bytes,
+                      reverse, solo_bytes):
+  """Leaves fill buckets in (reverse) order; a bucket closes only when the next leaf of its
+  group does not fit (bytes or count); leaves of at least solo_bytes are alone."""
+  n = len(layout.slots)
+  first_of_group, open_of_group, closed = {}, {}, set()
+  for i in (range(n - 1, -1, -1) if reverse else range(n)):
+    slot = layout.slots[i]
+    bucket = layout.buckets[slot.bucket]
+    item = bucket.dtype.itemsize
+    if solo_bytes is not None and slot.size * item >= solo_bytes:
+      assert bucket.slots == (i,)
+      continue
+    first_of_group.setdefault(bucket.group, slot.bucket)
+    prev = open_of_group.get(bucket.group)
+    if prev is not None and prev[0] != slot.bucket:
+      b, end, count = prev
+      align = max(1, align_bytes // item)
+      cap = (first_bucket_bytes if first_bucket_bytes and first_of_group[bucket.group] == b
+             else bucket_bytes)
+      fits = (-(-end // align) * align + slot.size) * item <= cap
+      assert not fits or (max_leaves is not None and count >= max_leaves), (
+          f"bucket {b} closed although leaf {slot.path} fits")
+      closed.add(b)
+      prev = None
+    assert slot.bucket not in closed or (prev and prev[0] == slot.bucket)
+    if prev is None:
+      assert slot.offset == 0
+      open_of_group[bucket.group] = (slot.bucket, slot.size, 1)
+    else:
+      assert slot.offset >= prev[1]  # filled in order
+      open_of_group[bucket.group] = (slot.bucket, slot.offset + slot.size, prev[2] + 1)
 
 
 def test_groups_by_dtype_and_never_promotes():
@@ -267,7 +306,8 @@ def test_shared_workloads_obey_every_rule(workload):
                      max_leaves=options.get("max_leaves", 512),
                      first_bucket_bytes=options.get("first_bucket_bytes"),
                      align_bytes=options.get("align_bytes", 256),
-                     num_shards=options.get("num_shards", 1))
+                     num_shards=options.get("num_shards", 1),
+                     reverse=options.get("reverse", True))
   if name == "mixed_llama_tiny":
     assert {b.dtype.name for b in layout.buckets} == {"bfloat16", "float32"}
 
@@ -281,14 +321,16 @@ _trees = st.lists(st.tuples(_shapes, _dtypes), max_size=25).map(
 
 @given(tree=_trees, bucket_bytes=st.integers(1, 600), max_leaves=st.none() | st.integers(1, 6),
        first=st.none() | st.integers(1, 300), align=st.sampled_from([1, 2, 8, 64, 256]),
-       num_shards=st.integers(1, 8), reverse=st.booleans())
+       num_shards=st.integers(1, 8), reverse=st.booleans(),
+       solo=st.none() | st.integers(1, 400))
 def test_plan_rules_hold_for_random_trees(tree, bucket_bytes, max_leaves, first, align,
-                                          num_shards, reverse):
+                                          num_shards, reverse, solo):
   layout = jpack.plan(tree, bucket_bytes=bucket_bytes, max_leaves=max_leaves,
                       first_bucket_bytes=first, align_bytes=align, num_shards=num_shards,
-                      reverse=reverse)
+                      reverse=reverse, solo_bytes=solo)
   check_invariants(layout, tree, bucket_bytes=bucket_bytes, max_leaves=max_leaves,
-                   first_bucket_bytes=first, align_bytes=align, num_shards=num_shards)
+                   first_bucket_bytes=first, align_bytes=align, num_shards=num_shards,
+                   reverse=reverse, solo_bytes=solo)
   assert jpack.Layout.from_json(layout.to_json()) == layout
 
 

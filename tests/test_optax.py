@@ -55,6 +55,7 @@ def per_leaf_pmean(g):
 
 
 def assert_trees_close(a, b, tol=2e-5):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     assert x.dtype == y.dtype
     t = 2e-2 if x.dtype == jnp.bfloat16 else tol

@@ -211,7 +211,7 @@ def _check_grad_of_pack_and_jvp():
   # Forward mode: pack and unpack are linear, so the tangent is the packed tangent.
   tangent = jax.tree.map(lambda x: jnp.full_like(x, 0.5), tree)
   _, t_out = jax.jvp(lambda t: jpack.pack(t, layout), (tree,), (tangent,))
-  np.testing.assert_array_equal(t_out.buckets[0], jpack.pack(tangent, layout).buckets[0])
+  np.testing.assert_array_equal(t_out.buckets[0], numpy_reference_buckets(tangent, layout)[0])
   packed = jpack.pack(tree, layout)
   _, t_back = jax.jvp(jpack.unpack, (packed,), (jax.tree.map(jnp.ones_like, packed),))
   np.testing.assert_array_equal(t_back["y"], np.ones((2, 3)))

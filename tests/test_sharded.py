@@ -125,29 +125,6 @@ def f32_params():
   return jax.tree.map(lambda x: x.astype(jnp.float32), params0())
 
 
-def test_checkpoint_round_trip_save_on_8_resume_on_4():
-  mesh8 = jax.make_mesh((8,), ("batch",))
-  mesh4 = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
-  dp8, s8 = _train(mesh8, f32_params())
-  tree_state = jpack.optax.gather_state(s8.opt_state)
-  # The checkpointable state is the state plain optax has after the same steps.
-  _, ref = _train(mesh8, f32_params(), mode="per_leaf")
-  assert jax.tree.structure(tree_state) == jax.tree.structure(ref.opt_state)
-  assert_trees_close(tree_state, ref.opt_state, tol=1e-4)
-  saved = jax.tree.map(np.asarray, tree_state)  # what a checkpointer would write
-  params = dp8.params(s8)
-  # Resume on 4 devices from the saved state, and continue on 8 for comparison.
-  dp4, fresh4 = _train(mesh4, params, steps=0)
-  restored = jpack.optax.scatter_state(saved, like=fresh4.opt_state)
-  _, s4 = _train(mesh4, params, opt_state=restored, steps=10, start=1)
-  ref_dp4, r4 = _train(mesh4, params, opt_state=saved, steps=10, start=1, mode="per_leaf")
-  assert_trees_close(dp4.params(s4), ref_dp4.params(r4), tol=1e-4)
-  # And the restored state itself round-trips exactly.
-  again = jpack.optax.gather_state(restored)
-  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(saved)):
-    np.testing.assert_array_equal(np.asarray(a), b)
-
-
 def test_optimizer_memory_is_one_over_n():
   mesh8 = jax.make_mesh((8,), ("batch",))
   _, state = _train(mesh8, params0(), steps=0)
@@ -185,25 +162,29 @@ def test_data_parallel_with_labels_equals_optax_multi_transform(mode):
   assert {b.group[1] for b in dp.layout.buckets} == {"decay", "no_decay", "frozen"}
 
 
-def test_labelled_checkpoint_is_multi_transform_state_and_resumes_on_4():
-  """gather_state of a labelled ZeRO-1 state is optax.multi_transform's full-tree state."""
+@pytest.mark.parametrize("labelled", [False, True])
+def test_checkpoint_is_plain_optax_state_and_resumes_on_4(labelled):
+  """gather_state is the state plain optax has after the same steps (with labels:
+  optax.multi_transform's full-tree state); save on 8 devices, resume on 4."""
   mesh8 = jax.make_mesh((8,), ("batch",))
   mesh4 = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
-  kw = dict(optimizer=labelled_optimizer(), labels=LABELS)
+  kw = dict(optimizer=labelled_optimizer(), labels=LABELS) if labelled else {}
   dp8, s8 = _train(mesh8, f32_params(), **kw)
   _, ref = _train(mesh8, f32_params(), mode="per_leaf", **kw)
   tree_state = jpack.optax.gather_state(s8.opt_state)
   assert jax.tree.structure(tree_state) == jax.tree.structure(ref.opt_state)
   assert_trees_close(tree_state, ref.opt_state, tol=1e-4)
-  saved = jax.tree.map(np.asarray, tree_state)
+  saved = jax.tree.map(np.asarray, tree_state)  # what a checkpointer would write
   params = dp8.params(s8)
-  # Resume ZeRO-1 on 4 devices, and plain optax (per-leaf) on 4 devices, from the same save.
+  # Resume ZeRO-1 on 4 devices, and plain optax (per-leaf) on 4 devices, from the save.
   dp4, fresh4 = _train(mesh4, params, steps=0, **kw)
   restored = jpack.optax.scatter_state(saved, like=fresh4.opt_state)
   _, s4 = _train(mesh4, params, opt_state=restored, steps=5, start=1, **kw)
   ref_dp4, r4 = _train(mesh4, params, opt_state=saved, steps=5, start=1, mode="per_leaf", **kw)
   assert_trees_close(dp4.params(s4), ref_dp4.params(r4), tol=1e-4)
+  # And the restored state itself round-trips exactly.
   again = jpack.optax.gather_state(restored)
+  assert jax.tree.structure(again) == jax.tree.structure(saved)
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(np.asarray(a), b)
 

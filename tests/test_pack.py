@@ -149,8 +149,9 @@ def test_workload_round_trip(workload):
   if name in ("gpt2_small", "bert_base"):
     shapes = dict(list(shapes.items())[:40])  # keep memory and time small
   if name == "many_small_4000":
-    # XLA:CPU compiles one kernel per unpacked leaf (~25 ms each); 600 leaves keep CI fast.
-    shapes = dict(list(shapes.items())[:600])
+    # XLA:CPU compiles one kernel per unpacked leaf (~25 ms each): every 13th leaf (308,
+    # spread over the whole workload's shapes) keeps CI fast.
+    shapes = dict(list(shapes.items())[::13])
   rng = np.random.default_rng(0)
   tree = {k: random_leaf(rng, v.shape, v.dtype) for k, v in shapes.items()}
   back = jpack.unpack(jax.jit(jpack.pack, static_argnums=1)(tree, jpack.plan(tree)))

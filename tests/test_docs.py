@@ -78,3 +78,15 @@ def test_page_examples_run(page, tmp_path):
   for i, shown in _shown_outputs(page).items():
     assert printed[i].rstrip() == shown.rstrip(), (
         f"docs/{page}: block {i} prints\n{printed[i]}\nbut the page shows\n{shown}")
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+  """README's two set-up commands: the test one is exactly what .ci/run executes."""
+  readme = (ROOT / "README.md").read_text()
+  commands = [line.strip() for line in readme.splitlines()
+              if line.startswith("    pip install -e ")]
+  assert len(commands) == 2, commands  # one for the demo, one for the tests
+  demo, tests = sorted(commands, key=lambda c: "pytest" in c)
+  assert demo.endswith("python -m jpack demo") and tests.endswith("python -m pytest")
+  ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+  assert tests in ci

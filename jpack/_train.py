@@ -17,7 +17,7 @@ from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, sha
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
-from jpack._transforms import Labels, _after, _check_inner, _group_fn_for, _labelled
+from jpack._transforms import Labels, _after, _check_inner, _group_fn_for, flat
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -97,7 +97,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     tx = sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
                  **{"num_shards": n, **plan_options})
   elif mode == "packed" and isinstance(optimizer, Mapping):
-    tx = _on_buckets(_labelled(optimizer, layout), layout)
+    tx = flat(optimizer, labels=labels)  # params are Packed: it runs on their buckets
   elif isinstance(optimizer, Mapping):
     tx = optax.multi_transform(optimizer, labels)
   else:
@@ -168,15 +168,6 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     return step_sm(state, batch)
 
   return DataParallel(init, step, jax.jit(to_tree), layout)
-
-
-def _on_buckets(tx: optax.GradientTransformation, layout: Layout) -> optax.GradientTransformation:
-  """``tx`` over a tuple of buckets, as a transformation of `Packed` updates and params."""
-  def update(updates, state, params=None):
-    new, state = tx.update(updates.buckets, state, None if params is None else params.buckets)
-    return Packed(tuple(new), layout), state
-
-  return optax.GradientTransformation(lambda params: tx.init(params.buckets), update)
 
 
 def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:

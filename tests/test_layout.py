@@ -31,12 +31,8 @@ def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_byt
     assert slot.shape == tuple(leaf.shape)
     assert slot.dtype == leaf.dtype
   seen = set()
-  first_of_group = {}
   for b_index, bucket in enumerate(layout.buckets):
     members = [layout.slots[j] for j in bucket.slots]
-    if not (solo_bytes is not None and len(members) == 1 and
-            members[0].size * bucket.dtype.itemsize >= solo_bytes):
-      first_of_group.setdefault(bucket.group, b_index)
     align = max(1, align_bytes // bucket.dtype.itemsize)
     assert bucket.size % (align * num_shards) == 0
     end = 0
@@ -50,10 +46,6 @@ def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_byt
       assert slot.offset >= end  # no overlap, offset order
       end = slot.offset + slot.size
     assert end <= bucket.size
-    cap = first_bucket_bytes if (first_bucket_bytes and first_of_group.get(bucket.group)
-                                 == b_index) else bucket_bytes
-    if len(members) > 1:
-      assert end * bucket.dtype.itemsize <= cap
     if max_leaves is not None:
       assert len(members) <= max_leaves
   assert seen == set(range(len(layout.slots)))
@@ -64,10 +56,16 @@ def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_byt
 
 def check_greedy_fill(layout, *, bucket_bytes, max_leaves, first_bucket_bytes, align_bytes,
                       reverse, solo_bytes):
-  """Leaves fill buckets in (reverse) order; a bucket closes only when the next leaf of its
-  group does not fit (bytes or count); leaves of at least solo_bytes are alone."""
+  """Leaves fill buckets in (reverse) order; a bucket holding several leaves stays within
+  its cap (first_bucket_bytes for a group's first one); it closes only when the next leaf
+  of its group does not fit (bytes or count); leaves of at least solo_bytes are alone."""
   n = len(layout.slots)
   first_of_group, open_of_group, closed = {}, {}, set()
+
+  def cap_of(b, group):
+    return (first_bucket_bytes if first_bucket_bytes and first_of_group[group] == b
+            else bucket_bytes)
+
   for i in (range(n - 1, -1, -1) if reverse else range(n)):
     slot = layout.slots[i]
     bucket = layout.buckets[slot.bucket]
@@ -80,9 +78,7 @@ def check_greedy_fill(layout, *, bucket_bytes, max_leaves, first_bucket_bytes, a
     if prev is not None and prev[0] != slot.bucket:
       b, end, count = prev
       align = max(1, align_bytes // item)
-      cap = (first_bucket_bytes if first_bucket_bytes and first_of_group[bucket.group] == b
-             else bucket_bytes)
-      fits = (-(-end // align) * align + slot.size) * item <= cap
+      fits = (-(-end // align) * align + slot.size) * item <= cap_of(b, bucket.group)
       assert not fits or (max_leaves is not None and count >= max_leaves), (
           f"bucket {b} closed although leaf {slot.path} fits")
       closed.add(b)
@@ -93,6 +89,7 @@ def check_greedy_fill(layout, *, bucket_bytes, max_leaves, first_bucket_bytes, a
       open_of_group[bucket.group] = (slot.bucket, slot.size, 1)
     else:
       assert slot.offset >= prev[1]  # filled in order
+      assert (slot.offset + slot.size) * item <= cap_of(slot.bucket, bucket.group)
       open_of_group[bucket.group] = (slot.bucket, slot.offset + slot.size, prev[2] + 1)
 
 

@@ -202,8 +202,11 @@ def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> jpack
                    "grads": jax.tree.map(lambda g: g[None], grads)}
 
   specs = jpack.TrainState(P(), P(), P())
+  # Donated like every real step's state: returned unchanged, it is then aliased, not
+  # copied (a copy of the replicated params would cost ~1/3 of this step on MLP 40x256).
   step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(AXIS)),
-                               out_specs=(specs, {"loss": P(), "grads": P(AXIS)})))
+                               out_specs=(specs, {"loss": P(), "grads": P(AXIS)})),
+                 donate_argnums=0)
   replicated = NamedSharding(mesh, P())
   prepare = (lambda params: params) if layout is None else (
       lambda params: jpack.pack(params, layout))

@@ -211,16 +211,45 @@ def unpack(packed: Packed) -> Any:
       owners.append(None)
     parts = _split(array, tuple(sizes)) if len(sizes) > 1 else [array]
     for j, part in zip(owners, parts):
-      if j is None:
-        continue
-      slot = layout.slots[j]
-      if _is_key_dtype(slot.dtype):
-        words = slot.dtype._impl.key_shape
-        leaves[j] = jax.random.wrap_key_data(part.reshape(slot.shape + tuple(words)),
-                                             impl=slot.dtype._impl.name)
-      else:
-        leaves[j] = part.reshape(slot.shape)
+      if j is not None:
+        leaves[j] = _leaf(part, layout.slots[j])
   return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def _unpack_at(packed: Packed, starts: tuple[Any, ...]) -> Any:
+  """`unpack` whose slice offsets are runtime values: ``starts[j]`` is slot j's offset.
+
+  XLA:CPU compiles every static slice into a kernel of its own (its offset is a
+  constant in the code), so 40 identical layers cost 40 kernels. With the offsets
+  passed in as executable arguments (int32 scalars), slices of equal shape from equal
+  buckets share one kernel: a jit-compiled step that unpacks its reduced gradients for a
+  per-leaf optimizer compiled 2x faster (MLP 40x256). Only for values that are not
+  differentiated (a dynamic slice transposes to a full-size update per leaf).
+  """
+  layout = packed.layout
+  _check_buckets(packed.buckets, layout)
+  leaves: list[Any] = [None] * layout.num_leaves
+  for bucket, array in zip(layout.buckets, packed.buckets):
+    bits = _moves_as_bits(array.dtype)  # keep 16/8-bit float payloads exact
+    source = lax.bitcast_convert_type(array, _bits_dtype(array.dtype)) if bits else array
+    for j in bucket.slots:
+      slot = layout.slots[j]
+      if len(bucket.slots) == 1 and slot.size == bucket.size:
+        part = array
+      else:
+        part = lax.dynamic_slice_in_dim(source, starts[j], slot.size)
+        part = lax.bitcast_convert_type(part, array.dtype) if bits else part
+      leaves[j] = _leaf(part, slot)
+  return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def _leaf(part: Any, slot: Any) -> Any:
+  """A slot's leaf from its 1-D slice of a bucket."""
+  if _is_key_dtype(slot.dtype):
+    words = slot.dtype._impl.key_shape
+    return jax.random.wrap_key_data(part.reshape(slot.shape + tuple(words)),
+                                    impl=slot.dtype._impl.name)
+  return part.reshape(slot.shape)
 
 
 # -- bit-exact concatenate / split ------------------------------------------------------

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, shard, vary
 from jpack._layout import Layout, plan
-from jpack._pack import Packed, pack, unpack
+from jpack._pack import Packed, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
 from jpack._transforms import Labels, _after, _check_inner, _group_fn_for, flat
 
@@ -28,6 +28,10 @@ class TrainState(NamedTuple):
   params: Any     # the parameters: a tree, or a `jpack.Packed` in "packed"/"sharded" modes
   opt_state: Any  # the optimizer state (sharded over the axis in "sharded" mode)
   step: jax.Array  # number of steps taken
+  # "allreduce" mode: each leaf's offset in its gradient bucket, as int32 scalars. They
+  # travel as data, not as constants, so that XLA compiles one kernel for all slices of
+  # the same shape (see jpack._pack._unpack_at); empty in the other modes.
+  offsets: tuple = ()
 
 
 class DataParallel(NamedTuple):
@@ -103,20 +107,25 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   else:
     tx = optimizer
 
-  def reduce_grads(grads):
+  def reduce_grads(grads, starts):
     if mode == "per_leaf":
       return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads)
     if mode == "ravel":
       flat, unravel = ravel_pytree(grads)
       return unravel(lax.pmean(flat, axis_name))
-    return pmean(grads, axis_name, comm_dtype=comm_dtype,
-                 **({} if isinstance(grads, Packed) else {"layout": layout}))
+    if isinstance(grads, Packed):
+      return pmean(grads, axis_name, comm_dtype=comm_dtype)
+    reduced = pmean(pack(grads, layout), axis_name, comm_dtype=comm_dtype)
+    return unpack(reduced) if starts is None else _unpack_at(reduced, starts)
 
   def local_init(params):
     params = broadcast(params, axis_name, root=root, layout=layout)
     if packed_params:
       params = pack(params, layout)
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    offsets = ()
+    if mode == "allreduce" and all(b.size < 2**31 for b in layout.buckets):
+      offsets = tuple(jnp.asarray(slot.offset, jnp.int32) for slot in layout.slots)
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), offsets)
 
   def local_step(state, batch):
     def loss_of(p):
@@ -134,14 +143,14 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       updates, opt_state = tx.update(shards, state.opt_state, local)
       params = all_gather(optax.apply_updates(local, updates), axis_name)
     else:
-      grads = reduce_grads(grads)
+      grads = reduce_grads(grads, state.offsets or None)
       grad_norm = optax.tree.norm(grads)
       if mode in ("packed", "allreduce"):
         grads = _after(grads, grad_norm, loss)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}
-    return TrainState(params, opt_state, state.step + 1), metrics
+    return TrainState(params, opt_state, state.step + 1, state.offsets), metrics
 
   def to_tree(state):
     return unpack(state.params) if packed_params else state.params
@@ -192,7 +201,7 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
 
   return TrainState(jax.tree.map(lambda _: P(), state_shapes.params),
                     jax.tree.map(opt_spec, state_shapes.opt_state),
-                    P())
+                    P(), jax.tree.map(lambda _: P(), state_shapes.offsets))
 
 
 def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):

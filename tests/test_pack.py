@@ -84,6 +84,20 @@ def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket
     assert bits(a) == bits(b)
 
 
+@given(tree=trees(), align=st.sampled_from([1, 4, 64, 256]),
+       bucket_bytes=st.integers(1, 400), reverse=st.booleans())
+def test_unpack_at_runtime_offsets_is_bit_identical(tree, align, bucket_bytes, reverse):
+  # The data-parallel step unpacks its reduced gradients at offsets passed in as data
+  # (int32 scalars), so that same-shape slices share a compiled kernel.
+  layout = jpack.plan(tree, align_bytes=align, bucket_bytes=bucket_bytes, reverse=reverse)
+  packed = jpack.pack(tree, layout)
+  offsets = tuple(jnp.int32(slot.offset) for slot in layout.slots)
+  back = jax.jit(jpack._pack._unpack_at)(packed, offsets)
+  assert jax.tree.structure(back) == jax.tree.structure(tree)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+    assert a.dtype == b.dtype and bits(a) == bits(b)
+
+
 @pytest.mark.parametrize("fill", ["concat", "gather"])
 def test_round_trip_under_jit_with_every_edge_case(fill):
   tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 4),
@@ -98,6 +112,10 @@ def test_round_trip_under_jit_with_every_edge_case(fill):
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
     assert a.dtype == b.dtype and bits(a) == bits(b)
   assert jax.random.uniform(back["key"]) == jax.random.uniform(tree["key"])
+  offsets = tuple(jnp.int32(slot.offset) for slot in layout.slots)
+  at = jax.jit(jpack._pack._unpack_at)(jpack.pack(tree, layout), offsets)
+  for a, b in zip(jax.tree.leaves(at), jax.tree.leaves(tree)):
+    assert a.dtype == b.dtype and bits(a) == bits(b)
 
 
 @pytest.mark.parametrize("num_leaves", [1, 3, 160])
@@ -116,9 +134,11 @@ def test_every_bit_pattern_of_narrow_floats_survives_jit(dtype, fill, num_leaves
     packed = jax.jit(lambda t: jpack.pack(t, layout))(tree)
   for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
     assert bits(got) == bits(want)
-  back = jax.jit(jpack.unpack)(packed)
-  np.testing.assert_array_equal(np.concatenate([np.asarray(x).view(patterns.dtype)
-                                                for x in back]), patterns)
+  offsets = tuple(jnp.int32(slot.offset) for slot in layout.slots)
+  for back in (jax.jit(jpack.unpack)(packed),
+               jax.jit(jpack._pack._unpack_at)(packed, offsets)):
+    np.testing.assert_array_equal(np.concatenate([np.asarray(x).view(patterns.dtype)
+                                                  for x in back]), patterns)
 
 
 def test_empty_tree():

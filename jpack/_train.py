@@ -64,6 +64,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   broadcast from device ``root`` so all replicas start equal (even if each process
   initialised its own).
 
+  ``step`` takes the batch as a `jax.Array` already split over ``axis_name`` (used as
+  is), or as host values (numpy) or arrays on other devices, which it places: in a
+  single process they are the global batch, in a multi-process run this process's rows
+  of it. Each batch leaf's leading dimension must split evenly over the devices.
+  Every param leaf must be floating (or complex): it gets a gradient.
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar loss`` on one device's batch slice.
     optimizer: the optax optimizer (without any all-reduce: the step adds it), or a dict
@@ -104,6 +110,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
   _check_inner(optimizer, labels)
   n = mesh.shape[axis_name]
+  _check_trainable(params_like)
   layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
                 **{"num_shards": n, **plan_options})
   packed_params = mode in ("packed", "sharded")
@@ -183,10 +190,57 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     _check_same_layout_everywhere(layout)
     return init_sm(jax.tree.map(lambda x: _replicate(x, replicated), params))
 
+  batch_sharding = NamedSharding(mesh, P(axis_name))
+
   def step(state, batch):
-    return step_sm(state, batch)
+    return step_sm(state, _place_batch(batch, batch_sharding, axis_name))
 
   return DataParallel(init, step, jax.jit(to_tree), layout)
+
+
+def _check_trainable(params_like: Any) -> None:
+  """Every leaf gets a gradient, so every leaf must be floating (or complex)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params_like)[0]:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+      dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+          f"Param leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}; "
+          "data_parallel differentiates the loss with respect to every param leaf, so each "
+          "must be a floating (or complex) array. Keep counters, masks and PRNG keys out "
+          "of the params: close over them in loss_fn or pass them in the batch.")
+
+
+def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:
+  """Split each batch leaf's leading dimension over the axis, unless it already is.
+
+  Host values (numpy, Python) and arrays on other devices are this process's rows of
+  the global batch; in a single process that is the whole batch.
+  """
+  def place(path, x):
+    if isinstance(x, jax.core.Tracer):  # the step is being traced by an outer jit
+      return x
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+      return x
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      raise ValueError(f"Batch leaf at {jax.tree_util.keystr(path) or '<root>'} is a global "
+                       f"array sharded as {x.sharding}; data_parallel expects its leading "
+                       f"dimension split over {axis_name!r} ({sharding.spec}).")
+    _check_splits(path, np.shape(x), len(sharding.addressable_devices), axis_name)
+    if jax.process_count() == 1:
+      return jax.device_put(x, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+  return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def _check_splits(path: Any, shape: tuple[int, ...], devices: int, axis_name: str) -> None:
+  if not shape or shape[0] % devices:
+    raise ValueError(
+        f"Batch leaf at {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; its "
+        f"leading (batch) dimension must split evenly over this process's {devices} "
+        f"devices of axis {axis_name!r}.")
 
 
 def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -224,8 +278,12 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
     stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + np.shape(x)), params)
     return init_p(stacked)
 
+  def split(path, x):
+    _check_splits(path, np.shape(x), n, axis_name)
+    return np.reshape(np.asarray(x), (n, -1) + np.shape(x)[1:])
+
   def step(state, batch):
-    batch = jax.tree.map(lambda x: np.reshape(np.asarray(x), (n, -1) + np.shape(x)[1:]), batch)
+    batch = jax.tree_util.tree_map_with_path(split, batch)
     state, metrics = step_p(state, batch)
     return state, jax.tree.map(lambda m: m[0], metrics)
 

@@ -85,6 +85,31 @@ def test_packed_steps_update_parameter_buckets_in_place(mode):
   assert " copy(" not in hlo[hlo.index("ENTRY"):]
 
 
+@pytest.mark.parametrize("use_pmap", [False, True])
+def test_step_places_host_batches_and_names_bad_ones(use_pmap):
+  params = init_cnn(jax.random.key(0))
+  want, want_losses = reference(params, 1, optax.adam(1e-2))
+  mesh = jax.make_mesh((8,), ("batch",))
+  x, y = data(1)
+  for batch in [(x[0], y[0]), (jnp.asarray(x[0]), jnp.asarray(y[0]))]:  # host, one device
+    dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, use_pmap=use_pmap)
+    state, metrics = dp.step(dp.init(params), batch)
+    np.testing.assert_allclose(float(metrics["loss"]), want_losses[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+  with pytest.raises(ValueError, match=r"Batch leaf at \[1\] has shape \(12,\).*8 devices"):
+    dp.step(state, (x[0], y[0][:12]))
+  with pytest.raises(ValueError, match=r"Batch leaf at \[1\] has shape \(\)"):
+    dp.step(state, (x[0], np.int32(3)))
+
+
+def test_non_float_params_are_refused_with_their_path():
+  params = {"w": jnp.ones((2, 2)), "count": jnp.zeros((), jnp.int32)}
+  with pytest.raises(TypeError, match=r"Param leaf at \['count'\] has dtype int32"):
+    jpack.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), params,
+                        jax.make_mesh((8,), ("batch",)))
+
+
 def test_allreduce_step_slices_gradients_at_offsets_passed_as_data():
   # Static slices compile to one kernel each on XLA:CPU; with the offsets in the state
   # (arguments of the compiled step), same-shape slices share one. Checked structurally:

@@ -46,8 +46,12 @@ except ValueError as e:
   sys.exit(0)
 x, y = data(4)
 for i in range(4):
-  batch = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx]),
-                       (x[i], y[i]))
+  if i % 2:  # host values: this process's rows of the global batch, placed by dp.step
+    rows = slice(proc * len(x[i]) // nproc, (proc + 1) * len(x[i]) // nproc)
+    batch = (x[i][rows], y[i][rows])
+  else:      # a global array, used as is
+    batch = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding,
+                                                                lambda idx: a[idx]), (x[i], y[i]))
   state, metrics = dp.step(state, batch)
 params_out = jax.jit(jpack.unpack, out_shardings=NamedSharding(mesh, P()))(state.params)
 result["params"] = jax.tree.map(lambda v: np.asarray(v.addressable_shards[0].data).tolist(), params_out)

@@ -17,7 +17,7 @@ from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, sha
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
-from jpack._transforms import Labels, _after, _check_inner, _group_fn_for, flat
+from jpack._transforms import Labels, _after, _check_inner, _firsts, _group_fn_for, flat
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -56,7 +56,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                   optimizer: optax.GradientTransformation | dict[Any, optax.GradientTransformation],
                   params_like: Any, mesh: Mesh | None = None, *, axis_name: str = "batch",
                   mode: str = "packed", labels: Labels = None, comm_dtype: Any = None,
-                  root: int = 0, use_pmap: bool = False, **plan_options: Any) -> DataParallel:
+                  root: int = 0, use_pmap: bool = False, has_aux: bool = False,
+                  **plan_options: Any) -> DataParallel:
   """Build a jit-compiled data-parallel training step.
 
   The batch is split over ``axis_name`` (leading dimension), gradients are averaged
@@ -94,11 +95,16 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     root: the device whose initial parameters everyone gets.
     use_pmap: build the step with `jax.pmap` instead of `jax.shard_map` (state and
       batch then carry a leading device axis). shard_map is faster and preferred.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``, as with ``jax.value_and_grad``;
+      ``aux`` (a tree of arrays, e.g. accuracy) is averaged over the devices like the
+      loss (integers become floats, as with ``lax.pmean``) and returned as
+      ``metrics["aux"]``.
     **plan_options: options for `jpack.plan`.
 
   Returns:
     `DataParallel` with ``init(params) -> TrainState``,
-    ``step(state, batch) -> (state, {"loss", "grad_norm"})``, ``params(state) -> tree``
+    ``step(state, batch) -> (state, {"loss", "grad_norm"[, "aux"]})``,
+    ``params(state) -> tree``
     and the params ``layout``.
   """
   if mode not in MODES:
@@ -150,12 +156,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
     # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
     # inserted by shard_map's autodiff) until jpack reduces them in buckets.
-    loss, grads = jax.value_and_grad(loss_of)(vary(state.params, axis_name))
-    loss = lax.pmean(loss, axis_name)
+    value, grads = jax.value_and_grad(loss_of, has_aux=has_aux)(vary(state.params, axis_name))
+    loss, aux = value if has_aux else (value, None)
+    loss, aux = lax.pmean((loss, aux), axis_name)
     if mode == "sharded":
       shards = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
       grad_norm = jnp.sqrt(lax.psum(_sum_of_squares(shards.buckets), axis_name))
-      shards = _after(shards, grad_norm, loss)
+      shards = _after(shards, grad_norm, loss, *_firsts(aux))
       local = shard(state.params, axis_name)
       updates, opt_state = tx.update(shards, state.opt_state, local)
       params = all_gather(optax.apply_updates(local, updates), axis_name)
@@ -163,10 +170,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       grads = reduce_grads(grads, state.offsets or None)
       grad_norm = optax.tree.norm(grads)
       if mode in ("packed", "allreduce"):
-        grads = _after(grads, grad_norm, loss)
+        grads = _after(grads, grad_norm, loss, *_firsts(aux))
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}
+    if has_aux:
+      metrics["aux"] = aux
     return TrainState(params, opt_state, state.step + 1, state.offsets), metrics
 
   def to_tree(state):

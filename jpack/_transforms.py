@@ -78,8 +78,13 @@ def _after(tree: Any, *scalars: jax.Array) -> Any:
 
 def _after_all(tree: Any) -> Any:
   """`_after` every array of ``tree``: each depends on one element of every other."""
-  return _after(tree, *[jnp.real(x.reshape(-1)[0]) for x in jax.tree.leaves(tree)
-                        if jnp.issubdtype(x.dtype, jnp.inexact) and x.size])
+  return _after(tree, *_firsts(tree))
+
+
+def _firsts(tree: Any) -> list[jax.Array]:
+  """One element of every non-empty floating array of ``tree``: enough to depend on it."""
+  return [jnp.real(x.reshape(-1)[0]) for x in jax.tree.leaves(tree)
+          if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
 
 
 class FlatState(NamedTuple):

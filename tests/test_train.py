@@ -103,6 +103,40 @@ def test_step_places_host_batches_and_names_bad_ones(use_pmap):
     dp.step(state, (x[0], np.int32(3)))
 
 
+def loss_with_aux(params, batch):
+  """The loss, plus metrics: accuracy and a value that reads the params (weight norm)."""
+  x, y = batch
+  loss = loss_fn(params, batch)
+  h = jax.lax.conv_general_dilated(x, params["conv"]["w"], (1, 1), "SAME",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return loss, {"mean_act": jnp.mean(h), "w_norm": jnp.sum(params["dense2"]["w"] ** 2),
+                "correct": jnp.sum(y == 0)}
+
+
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded", "per_leaf"])
+def test_has_aux_metrics_are_averaged_over_devices(mode):
+  params = init_cnn(jax.random.key(0))
+  mesh = jax.make_mesh((8,), ("batch",))
+  dp = jpack.data_parallel(loss_with_aux, optax.adam(1e-2), params, mesh, mode=mode,
+                           has_aux=True, solo_bytes=1)
+  x, y = data(1)
+  state = dp.init(params)
+  _, metrics = dp.step(state, (x[0], y[0]))
+  # Reference: each device's aux on its 2 rows, averaged in numpy.
+  per_device = [loss_with_aux(params, (x[0][2 * d:2 * d + 2], y[0][2 * d:2 * d + 2]))[1]
+                for d in range(8)]
+  for key in ["mean_act", "w_norm", "correct"]:
+    want = np.mean([np.asarray(a[key], np.float64) for a in per_device])
+    np.testing.assert_allclose(float(metrics["aux"][key]), want, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["loss"]), float(loss_fn(params, (x[0], y[0]))),
+                             rtol=1e-5)
+  if mode in ("packed", "sharded"):  # aux reading the params adds no parameter copy
+    hlo = jax.jit(dp.step, donate_argnums=0).lower(
+        dp.init(params), jax.device_put((x[0], y[0]), NamedSharding(mesh, P("batch")))
+    ).compile().as_text()
+    assert " copy(" not in hlo[hlo.index("ENTRY"):]
+
+
 def test_non_float_params_are_refused_with_their_path():
   params = {"w": jnp.ones((2, 2)), "count": jnp.zeros((), jnp.int32)}
   with pytest.raises(TypeError, match=r"Param leaf at \['count'\] has dtype int32"):

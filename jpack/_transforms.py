@@ -198,5 +198,7 @@ def _check_inner(inner: Inner, labels: Labels) -> None:
         raise TypeError(f"inner[{k!r}] is a {type(v).__name__}, expected an "
                         "optax.GradientTransformation.")
   elif not isinstance(inner, optax.GradientTransformation):
+    hint = (" (for optax.MultiSteps, pass its .gradient_transformation())"
+            if hasattr(inner, "gradient_transformation") else "")
     raise TypeError(f"inner must be an optax.GradientTransformation (or a dict of them with "
-                    f"labels=), got {type(inner).__name__}.")
+                    f"labels=), got {type(inner).__name__}{hint}.")

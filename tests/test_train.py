@@ -137,6 +137,24 @@ def test_has_aux_metrics_are_averaged_over_devices(mode):
     assert " copy(" not in hlo[hlo.index("ENTRY"):]
 
 
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
+def test_gradient_accumulation_with_optax_multisteps(mode):
+  params = init_cnn(jax.random.key(0))
+  steps = 6
+  tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3)
+  want, _ = reference(params, steps, tx.gradient_transformation())
+  mesh = jax.make_mesh((8,), ("batch",))
+  dp = jpack.data_parallel(loss_fn, tx.gradient_transformation(), params, mesh, mode=mode)
+  state = dp.init(params)
+  x, y = data(steps)
+  for i in range(steps):
+    state, _ = dp.step(state, (x[i], y[i]))
+  for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+  with pytest.raises(TypeError, match=r"got MultiSteps \(for optax.MultiSteps, pass its"):
+    jpack.data_parallel(loss_fn, tx, params, mesh, mode=mode)
+
+
 def test_non_float_params_are_refused_with_their_path():
   params = {"w": jnp.ones((2, 2)), "count": jnp.zeros((), jnp.int32)}
   with pytest.raises(TypeError, match=r"Param leaf at \['count'\] has dtype int32"):

@@ -211,9 +211,9 @@ def _check_trainable(params_like: Any) -> None:
   """Every leaf gets a gradient, so every leaf must be floating (or complex)."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_like)[0]:
     dtype = getattr(leaf, "dtype", None)
-    if dtype is None:
+    if dtype is None and isinstance(leaf, (bool, int, float, complex)):
       dtype = jnp.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.inexact):
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):  # plan() names others
       raise TypeError(
           f"Param leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}; "
           "data_parallel differentiates the loss with respect to every param leaf, so each "

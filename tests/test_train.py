@@ -160,6 +160,10 @@ def test_non_float_params_are_refused_with_their_path():
   with pytest.raises(TypeError, match=r"Param leaf at \['count'\] has dtype int32"):
     jpack.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), params,
                         jax.make_mesh((8,), ("batch",)))
+  with pytest.raises(TypeError, match=r"Param leaf at \['n'\] has dtype int32"):
+    jpack.data_parallel(lambda p, b: 0.0, optax.sgd(0.1), {"w": jnp.ones(2), "n": 3})
+  with pytest.raises(TypeError, match=r"Leaf at \['f'\] is a function, not an array"):
+    jpack.data_parallel(lambda p, b: 0.0, optax.sgd(0.1), {"w": jnp.ones(2), "f": lambda x: x})
 
 
 def test_allreduce_step_slices_gradients_at_offsets_passed_as_data():

@@ -31,11 +31,12 @@ class TrainState(NamedTuple):
       modes.
     opt_state: the optimizer state (its slices, split over the axis, in "sharded" mode).
     step: the number of steps taken.
-    offsets: in "allreduce" mode, each leaf's offset in its gradient bucket as int32
-      scalars (empty in the other modes). The step slices the reduced gradients at these
-      offsets; as arguments of the compiled step rather than constants, they let XLA
-      compile one kernel per slice shape instead of one per slice (MLP 40x256: the step
-      compiled in 6.7 s instead of 11.2 s). Keep them when restoring a checkpoint
+    offsets: each leaf's offset in its bucket, as int32 scalars (empty in the baseline
+      modes). The step slices the packed parameters ("packed", "sharded") or the
+      reduced gradients ("allreduce") at these offsets; as arguments of the compiled
+      step rather than constants, they let XLA compile one kernel per slice shape
+      instead of one per slice (the allreduce step of MLP 40x256 compiled in 6.7 s
+      instead of 11.2 s). Keep them when restoring a checkpoint
       (``fresh_state._replace(params=..., opt_state=..., step=...)``).
   """
   params: Any
@@ -146,13 +147,16 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     if packed_params:
       params = pack(params, layout)
     offsets = ()
-    if mode == "allreduce" and all(b.size < 2**31 for b in layout.buckets):
+    if mode in ("allreduce", "packed", "sharded") and all(b.size < 2**31
+                                                          for b in layout.buckets):
       offsets = tuple(jnp.asarray(slot.offset, jnp.int32) for slot in layout.slots)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), offsets)
 
   def local_step(state, batch):
     def loss_of(p):
-      return loss_fn(unpack(p) if packed_params else p, batch)
+      if packed_params:
+        p = _unpack_at(p, state.offsets) if state.offsets else unpack(p)
+      return loss_fn(p, batch)
 
     # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
     # inserted by shard_map's autodiff) until jpack reduces them in buckets.
@@ -229,7 +233,7 @@ def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:
   """
   def place(path, x):
     if isinstance(x, jax.core.Tracer):  # the step is being traced by an outer jit
-      return x
+      return jax.reshard(x, sharding)
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
       return x
     if isinstance(x, jax.Array) and not x.is_fully_addressable:

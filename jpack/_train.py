@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, shard, vary
-from jpack._layout import Layout, plan
+from jpack._layout import Layout, _dtype_name, plan
 from jpack._pack import Packed, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
 from jpack._transforms import Labels, _after, _check_inner, _firsts, _group_fn_for, flat
@@ -117,9 +117,9 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
   _check_inner(optimizer, labels)
   n = mesh.shape[axis_name]
-  _check_trainable(params_like)
   layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
                 **{"num_shards": n, **plan_options})
+  _check_trainable(layout)
   packed_params = mode in ("packed", "sharded")
   if mode == "sharded":
     tx = sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
@@ -211,15 +211,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   return DataParallel(init, step, jax.jit(to_tree), layout)
 
 
-def _check_trainable(params_like: Any) -> None:
+def _check_trainable(layout: Layout) -> None:
   """Every leaf gets a gradient, so every leaf must be floating (or complex)."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params_like)[0]:
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None and isinstance(leaf, (bool, int, float, complex)):
-      dtype = jnp.result_type(leaf)
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):  # plan() names others
+  for slot in layout.slots:
+    if not jnp.issubdtype(slot.dtype, jnp.inexact):
       raise TypeError(
-          f"Param leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}; "
+          f"Param leaf at {slot.path or '<root>'} has dtype {_dtype_name(slot.dtype)}; "
           "data_parallel differentiates the loss with respect to every param leaf, so each "
           "must be a floating (or complex) array. Keep counters, masks and PRNG keys out "
           "of the params: close over them in loss_fn or pass them in the batch.")

@@ -22,6 +22,10 @@ from jpack._transforms import Labels, _after, _check_inner, _firsts, _group_fn_f
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
 
+# TrainState.offsets are int32 (what dynamic_slice indexes with everywhere); a layout
+# with a bucket this long falls back to static slices.
+_INT32_OFFSETS_BELOW = 2**31
+
 
 class TrainState(NamedTuple):
   """What a data-parallel step carries from one step to the next.
@@ -147,7 +151,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     if packed_params:
       params = pack(params, layout)
     offsets = ()
-    if mode in ("allreduce", "packed", "sharded") and all(b.size < 2**31
+    if mode in ("allreduce", "packed", "sharded") and all(b.size < _INT32_OFFSETS_BELOW
                                                           for b in layout.buckets):
       offsets = tuple(jnp.asarray(slot.offset, jnp.int32) for slot in layout.slots)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), offsets)

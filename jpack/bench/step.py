@@ -342,6 +342,7 @@ def _measure(model: Model, keys: list[str], mesh, batch, *, steps: int, blocks: 
   for key in keys:
     print(f"   {VARIANTS[key][0]} ...", end="", flush=True)
     prepared[key] = p = _prepare(model, key, mesh, batch, plan_options)
+    c.release_host_memory()
     print(f" compile {c.fmt_s(p.compiled.total_s)} s", flush=True)
   metrics = {}
   for _ in range(blocks):
@@ -452,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
       chosen = [v for v in variants if v in BIG_MODEL_VARIANTS]
     bench_model(model, chosen, report, steps=steps, blocks=blocks,
                 per_device_batch=args.batch, plan_options=plan_options)
+    del model
+    c.release_host_memory()
   report.text("speed-up = per-leaf step time / variant step time (same run). Collectives: "
               "AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all ops in the compiled step, "
               "bytes = their result bytes.")

@@ -62,16 +62,22 @@ def test_buckets_too_long_for_int32_offsets_fall_back_to_static_slices(mode, mon
   # Buckets of 2**31 elements or more cannot be indexed by TrainState's int32 offsets;
   # a lowered limit takes that path on small buckets.
   monkeypatch.setattr(jpack._train, "_INT32_OFFSETS_BELOW", 1)
-  state = _check_matches_single_device_training(mode)
+  state = _check_matches_single_device_training(mode, slice_offsets="data")
   assert state.offsets == ()
 
 
-def _check_matches_single_device_training(mode):
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
+def test_offsets_passed_as_data_train_like_single_device(mode):
+  state = _check_matches_single_device_training(mode, slice_offsets="data")
+  assert len(state.offsets) == 6
+
+
+def _check_matches_single_device_training(mode, **options):
   params = init_cnn(jax.random.key(0))
   steps = 12
   want, want_losses = reference(params, steps, optax.adam(1e-2))
   mesh = jax.make_mesh((8,), ("batch",))
-  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode=mode)
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode=mode, **options)
   state = dp.init(params)
   x, y = data(steps)
   for i in range(steps):
@@ -196,7 +202,8 @@ def test_step_slices_buckets_at_offsets_passed_as_data(mode):
     return jnp.mean(h ** 2)
 
   mesh = jax.make_mesh((8,), ("batch",))
-  dp = jpack.data_parallel(loss, optax.adam(1e-2), params, mesh, mode=mode)
+  dp = jpack.data_parallel(loss, optax.adam(1e-2), params, mesh, mode=mode,
+                           slice_offsets="data")
   state = dp.init(params)
   assert [int(o) for o in state.offsets] == [s.offset for s in dp.layout.slots]
   batch = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("batch")))
@@ -308,6 +315,9 @@ def test_initial_params_are_broadcast_from_root():
 def test_bad_mode_and_axis():
   with pytest.raises(ValueError, match="mode must be one of"):
     jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mode="zero3")
+  with pytest.raises(ValueError, match="slice_offsets must be 'static' or 'data', got 'dynamic'"):
+    jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)),
+                        slice_offsets="dynamic")
   mesh = jax.make_mesh((8,), ("data",))
   with pytest.raises(ValueError, match="not an axis of the mesh"):
     jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mesh)

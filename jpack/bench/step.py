@@ -16,6 +16,8 @@ Every variant is `jpack.data_parallel` (shard_map over ``("batch",)``, inputs pl
                 jpack): <= 4 MiB buckets, custom-VJP unpack, psum_scatter/all_gather
   grads only    not a step: loss + gradients, no collective, no update. Every step does
                 at least this, so per-leaf time / this time bounds any variant's speed-up
+  ZeRO-1 sgd    ZeRO-1 with plain SGD: the collectives every ZeRO-1 step pays, almost no
+                update, so it bounds what ZeRO-1 with any optimizer can reach
 
 Reported per variant: compile time (lower + compile of the step), median step time over
 several timed blocks of steps (variants interleaved, block by block), speed-up over per-leaf (the issue's ratio), collectives in
@@ -75,7 +77,12 @@ VARIANTS = {
     # The same with jpack's persistent packed params: the loss unpacks them, gradients come
     # out packed. Its distance from grad_only is what pack + unpack cost inside a step.
     "packed_grad_only": ("bound: packed grads only", None, False, None),
+    # ZeRO-1 with the cheapest optimizer there is (plain SGD on the slices): the
+    # reduce-scatter and all-gather that any ZeRO-1 step pays, with almost no update.
+    "sharded_sgd": ("bound: ZeRO-1 with sgd", "sharded", False, None),
 }
+# Variants that are not adam, or not a step: no parameter comparison with per-leaf.
+NOT_COMPARABLE = ("per_leaf", "grad_only", "packed_grad_only", "sharded_sgd")
 
 
 # -- models ----------------------------------------------------------------------------
@@ -309,7 +316,7 @@ def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepar
     compiled = c.compile_fn(dp.step, state, batch)
     state, _ = compiled.fn(state, batch)
     return _Prepared(key, dp, compiled, jax.block_until_ready(state), [])
-  opt = optax.adam(1e-3)
+  opt = optax.sgd(1e-3) if key == "sharded_sgd" else optax.adam(1e-3)
   if use_flatten:
     opt = optax.flatten(opt)
   dp = jpack.data_parallel(model.loss, opt, model.params, mesh, axis_name=AXIS, mode=mode,
@@ -393,7 +400,7 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
     goal = GOALS.get((model.name, key))
     verdict = "" if goal is None or speedup is None else (
         f">={goal:g}x {c.verdict(speedup >= goal)}")
-    diff = ("-" if key in ("per_leaf", "grad_only", "packed_grad_only") or base is None
+    diff = ("-" if key in NOT_COMPARABLE or base is None
             else f"{_max_diff(r.params, base.params):.1e}")
     table.add(VARIANTS[key][0], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
               c.fmt_ratio(speedup), verdict, r.colls.short(), _coll_bytes(r.colls),

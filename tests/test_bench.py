@@ -40,6 +40,8 @@ def test_step_benchmark_every_mode_matches_per_leaf():
   assert any("A2A" in cell for cell in bf16)  # narrow wire: integer bits via all_to_all
   assert table_rows(text, "bound: grads only")
   assert table_rows(text, "bound: packed grads only")
+  sgd = [r for r in table_rows(text, "bound: ZeRO-1 with sgd")][-1]
+  assert any("RS" in cell for cell in sgd) and sgd[-1] == "-"  # not adam: no comparison
 
 
 @pytest.mark.timeout(600)

@@ -246,8 +246,12 @@ def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:
   def place(path, x):
     if isinstance(x, jax.core.Tracer):  # the step is being traced by an outer jit
       return jax.reshard(x, sharding)
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    if isinstance(x, jax.Array) and x.sharding == sharding:
       return x
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+      # Same placement, but shard_map also checks the sharding's type (on one device,
+      # a plain array is "equivalent" yet not split over the axis): relabel, no copy.
+      return jax.device_put(x, sharding)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       raise ValueError(f"Batch leaf at {jax.tree_util.keystr(path) or '<root>'} is a global "
                        f"array sharded as {x.sharding}; data_parallel expects its leading "

@@ -58,6 +58,16 @@ def test_site_builds_strict(tmp_path):
   assert (tmp_path / "api" / "optax" / "index.html").exists()
 
 
+def test_readme_example_runs(tmp_path):
+  blocks = [textwrap.dedent(code) for _, code in _BLOCK.findall((ROOT / "README.md").read_text())]
+  assert blocks, "README.md has no ```python example"
+  script = tmp_path / "readme.py"
+  script.write_text("\n".join(blocks))
+  result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, f"README.md's example failed:\n{result.stderr[-5000:]}"
+
+
 def test_every_page_is_in_the_nav():
   nav = (ROOT / "mkdocs.yml").read_text()
   missing = [p for p in PAGES if p not in nav]

@@ -314,3 +314,21 @@ def test_unpack_checks_bucket_shapes_and_dtypes():
     jpack.unpack(jpack.Packed((packed.buckets[0].astype(jnp.bfloat16),), packed.layout))
   with pytest.raises(ValueError, match="holds 2 buckets"):
     jpack.unpack(jpack.Packed(packed.buckets * 2, packed.layout))
+
+
+def test_unpack_outside_jit_compiles_for_the_call_with_cpu_fast_options(monkeypatch):
+  # Outside jit an unpack is compile-bound (a kernel per returned slice on XLA:CPU), so
+  # it is compiled with the faster-compiling emitters; under a user's jit it is traced.
+  calls = []
+  compiled = jpack._pack._unpack_compiled_for_cpu
+  monkeypatch.setattr(jpack._pack, "_unpack_compiled_for_cpu",
+                      lambda packed: calls.append(packed.layout) or compiled(packed))
+  tree = {"a": np.arange(5, dtype=np.float32), "b": np.ones((2, 3), np.int8),
+          "c": np.asarray([1.5, -0.0], jnp.bfloat16)}
+  packed = jpack.pack(tree)
+  for out in (jpack.unpack(packed), jax.jit(jpack.unpack)(packed)):
+    for key in tree:
+      assert out[key].dtype == tree[key].dtype
+      np.testing.assert_array_equal(np.asarray(out[key]).view(np.uint8),
+                                    np.asarray(tree[key]).view(np.uint8))
+  assert calls == [packed.layout]  # the eager call only

@@ -204,7 +204,7 @@ def unpack(packed: Packed) -> Any:
 
 
 # Called outside jit, an unpack is compiled for the call and is compile-bound: XLA:CPU
-# compiles a kernel per returned slice, and its older loop emitters do that 2-5x faster
+# compiles a kernel per returned slice, and its older loop emitters do that 2-4x faster
 # than the default MLIR fusion emitters (4000 leaves: 130 s eager before, see
 # docs/performance.md). Inside a user's jit the user's compiler options apply.
 _CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}

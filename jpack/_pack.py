@@ -95,6 +95,14 @@ def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed
   elif not isinstance(layout, Layout):
     raise TypeError(f"layout must be a jpack.Layout, got {type(layout).__name__}.")
   leaves = _flatten_like(tree, layout)
+  if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    # Outside jit: one compiled program instead of an op per leaf (4000 leaves: first
+    # call 4.3 s -> 2.1 s, later calls 100 ms -> 10 ms).
+    return _fill_compiled(tuple(leaves), layout)
+  return _fill(leaves, layout)
+
+
+def _fill(leaves: Any, layout: Layout) -> Packed:
   buckets = []
   for bucket in layout.buckets:
     flat, starts = [], []
@@ -112,6 +120,9 @@ def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed
       place = _place_gather if jnp.issubdtype(dtype, jnp.inexact) else _place_gather_raw
     buckets.append(place(tuple(flat), tuple(starts), bucket.size, dtype))
   return Packed(tuple(buckets), layout)
+
+
+_fill_compiled = jax.jit(_fill, static_argnums=1)
 
 
 # A bucket of this many leaves or more is filled by one gather from the leaves laid end to

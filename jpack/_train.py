@@ -223,8 +223,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   def step(state, batch):
     return step_sm(state, _place_batch(batch, batch_sharding, axis_name))
 
-  # Called outside jit, `unpack` compiles one program (on CPU, with faster-compiling
-  # emitters); jit(to_tree) would impose the default ones.
+  # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
+  # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
   return DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout)
 
 

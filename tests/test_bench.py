@@ -49,6 +49,8 @@ def test_pack_benchmark_prints_its_table():
   text = bench("pack", "--workloads", "mixed_llama_tiny", "--max-leaves", "20", "--runs", "2",
                "--plan-runs", "2")
   assert "mixed_llama_tiny" in text and "unpack" in text
+  ops = {row[1] for row in table_rows(text, "mixed_llama_tiny") if len(row) > 1}
+  assert {"(f) jpack.pack, eager", "(f) jpack.unpack, eager"} <= ops
 
 
 @pytest.mark.timeout(600)

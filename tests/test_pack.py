@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import contextlib
 
@@ -316,19 +317,63 @@ def test_unpack_checks_bucket_shapes_and_dtypes():
     jpack.unpack(jpack.Packed(packed.buckets * 2, packed.layout))
 
 
-def test_unpack_outside_jit_compiles_for_the_call_with_cpu_fast_options(monkeypatch):
-  # Outside jit an unpack is compile-bound (a kernel per returned slice on XLA:CPU), so
-  # it is compiled with the faster-compiling emitters; under a user's jit it is traced.
+def _record_calls(monkeypatch, name):
   calls = []
-  compiled = jpack._pack._unpack_compiled_for_cpu
-  monkeypatch.setattr(jpack._pack, "_unpack_compiled_for_cpu",
-                      lambda packed: calls.append(packed.layout) or compiled(packed))
+  original = getattr(jpack._pack, name)
+  monkeypatch.setattr(jpack._pack, name,
+                      lambda packed: calls.append(packed.layout) or original(packed))
+  return calls
+
+
+EDGE_CASES = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 4),
+              "scalar": np.float32(2.5), "empty": np.zeros((0, 4), np.float32),
+              "bool": np.array([True, False]), "u32": np.array([2**32 - 1, 7], np.uint32),
+              "bf16": np.array([1e38, -0.0, np.nan], jnp.bfloat16),
+              "f16": np.array([65504.0], np.float16), "i8": np.array([-128, 127], np.int8),
+              "none": None, "nested": [(), {}]}
+
+
+def _assert_bit_identical(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and bits(a) == bits(b)
+
+
+@pytest.mark.parametrize("placement", ["one device", "replicated"])
+def test_unpack_outside_jit_reads_cpu_buckets_without_compiling(monkeypatch, placement):
+  # Outside jit an unpack would be compile-bound (a kernel per returned slice on
+  # XLA:CPU), so whole CPU buckets are read in place instead; under jit it is traced.
+  on_host = _record_calls(monkeypatch, "_unpack_on_host")
+  compiled = _record_calls(monkeypatch, "_unpack_compiled_for_cpu")
+  packed = jpack.pack(EDGE_CASES)
+  if placement == "replicated":
+    mesh = jax.make_mesh((8,), ("x",))
+    packed = jax.device_put(packed, NamedSharding(mesh, P()))
+  back = jpack.unpack(packed)
+  _assert_bit_identical(back, EDGE_CASES)
+  assert jax.random.uniform(back["key"]) == jax.random.uniform(EDGE_CASES["key"])
+  for leaf in jax.tree.leaves(back):  # where a jit would have put them
+    assert leaf.sharding.is_equivalent_to(packed.buckets[0].sharding, leaf.ndim)
+    assert leaf.committed == packed.buckets[0].committed == (placement == "replicated")
+  _assert_bit_identical(jax.jit(jpack.unpack)(packed), EDGE_CASES)
+  assert on_host == [packed.layout] and compiled == []  # the eager call only
+  # The leaves may view the buckets' memory: donating the buckets must not change them.
+  changed = jax.jit(lambda b: jax.tree.map(lambda x: ~x if x.dtype == bool else x + 1, b),
+                    donate_argnums=0)(packed)
+  jax.block_until_ready(changed)
+  _assert_bit_identical(back, EDGE_CASES)
+
+
+def test_unpack_outside_jit_compiles_sharded_buckets_with_cpu_fast_options(monkeypatch):
+  # Buckets sharded over an Explicit mesh axis (jax.make_mesh's default) are gathered
+  # first: leaves do not start at shard boundaries, and JAX refuses such slices.
+  on_host = _record_calls(monkeypatch, "_unpack_on_host")
+  compiled = _record_calls(monkeypatch, "_unpack_compiled_for_cpu")
   tree = {"a": np.arange(5, dtype=np.float32), "b": np.ones((2, 3), np.int8),
-          "c": np.asarray([1.5, -0.0], jnp.bfloat16)}
-  packed = jpack.pack(tree)
-  for out in (jpack.unpack(packed), jax.jit(jpack.unpack)(packed)):
-    for key in tree:
-      assert out[key].dtype == tree[key].dtype
-      np.testing.assert_array_equal(np.asarray(out[key]).view(np.uint8),
-                                    np.asarray(tree[key]).view(np.uint8))
-  assert calls == [packed.layout]  # the eager call only
+          "c": np.asarray([1.5, -0.0, np.nan], jnp.bfloat16)}
+  layout = jpack.plan(tree, num_shards=8)
+  mesh = jax.make_mesh((8,), ("x",))
+  packed = jax.device_put(jpack.pack(tree, layout), NamedSharding(mesh, P("x")))
+  _assert_bit_identical(jpack.unpack(packed), tree)
+  assert compiled == [layout] and on_host == []
+  _assert_bit_identical(jax.jit(jpack.unpack)(packed), tree)

@@ -6,6 +6,7 @@ Measures, in one run and per workload:
   (c) ``jpack.pack`` (layout static, returns a ``Packed``),
   (d) ``jpack.unpack`` (input a ``Packed`` already on device),
   (e) ``jax.flatten_util.ravel_pytree`` and its unravel, as a baseline,
+  (f) ``jpack.pack`` and ``jpack.unpack`` called outside jit: first call and later calls,
 plus ``jpack.plan`` (pure Python). Every function is compiled ahead of time
 (``jax.jit(f).lower(...).compile()``, lowering and compilation timed separately) and timed
 on its own with materialized outputs: XLA cancels ``unpack(pack(x))`` inside one jit.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -68,6 +70,24 @@ def _measure(op: str, f: Callable, *args: Any, runs: int, output: str = "",
   return Result(op, output, compiled, timing), out
 
 
+@dataclasses.dataclass
+class Eager:
+  """A call outside jit: its first call (with whatever it compiles) and later calls."""
+  op: str
+  first_s: float
+  later: c.Timing
+
+
+def _measure_eager(op: str, f: Callable, arg: Any, *, runs: int) -> Eager:
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(arg))
+  first = time.perf_counter() - t0
+  later = c.time_fn(f, arg, runs=runs, warmup=0)
+  print(f"  {op:<22} first call {first:6.2f} s   later calls {c.fmt_ms(later.median_s):>7} ms",
+        flush=True)
+  return Eager(op, first, later)
+
+
 def _describe(x: Any) -> str:
   leaves = jax.tree.leaves(x)
   dtypes = "+".join(sorted({np.dtype(l.dtype).name for l in leaves}))
@@ -77,7 +97,7 @@ def _describe(x: Any) -> str:
 
 
 def bench_workload(w: c.Workload, *, runs: int,
-                   skip_unpack: str) -> tuple[dict[str, Result], jpack.Layout]:
+                   skip_unpack: str) -> tuple[dict[str, Any], jpack.Layout]:
   print(f"\n{w.describe()}", flush=True)
   tree = c.random_tree(w.shapes, seed=0)
   layout = jpack.plan(w.shapes)
@@ -105,6 +125,14 @@ def bench_workload(w: c.Workload, *, runs: int,
   else:
     results["unpack"], _ = _measure("jpack.unpack", jpack.unpack, packed, runs=runs,
                                     output=_describe(tree))
+  # (f) the same calls outside jit, as a user's script makes them (pack of a numpy-free
+  # tree of device arrays; unpack of a Packed on device), first call included.
+  if packed is None:
+    packed = jax.block_until_ready(jax.jit(lambda t: jpack.pack(t, layout))(tree))
+  results["eager_pack"] = _measure_eager("jpack.pack, eager", lambda t: jpack.pack(t, layout),
+                                         tree, runs=runs)
+  results["eager_unpack"] = _measure_eager("jpack.unpack, eager", jpack.unpack, packed,
+                                           runs=runs)
   del packed
 
   # (e) ravel_pytree baseline (promotes mixed dtypes to a common one) and its unravel.
@@ -204,6 +232,22 @@ def main(argv: list[str] | None = None) -> int:
              c.fmt_s(r.compiled.compile_s), c.fmt_ratio(c.ratio(r.run_s, base_run)),
              c.fmt_ratio(c.ratio(r.compile_total_s, base_compile)))
   report.table(t1)
+
+  t_eager = c.Table(["workload", "op", "first call s", "later calls ms",
+                     "first/per-leaf first", "later/max(a,b)"],
+                    title="Called outside jit (f): first call, compile included, and later "
+                          "calls; per-leaf first = (b)'s lower + compile + run")
+  for name, res in all_results.items():
+    w = workloads[name]
+    label = name + (f" ({w.num_leaves} lv)" if w.subset else "")
+    base_run = max(res["single"].run_s, res["per_leaf"].run_s)
+    per_leaf_first = res["per_leaf"].compile_total_s + res["per_leaf"].run_s
+    for key in ("eager_pack", "eager_unpack"):
+      e = res[key]
+      t_eager.add(label, f"(f) {e.op}", f"{e.first_s:.2f}", c.fmt_ms(e.later.median_s),
+                  c.fmt_ratio(c.ratio(e.first_s, per_leaf_first)),
+                  c.fmt_ratio(c.ratio(e.later.median_s, base_run)))
+  report.table(t_eager)
 
   # -- table 2: ratios ----------------------------------------------------------------
   t2 = c.Table(["workload", "leaves", "MiB", "buckets", "plan ms", "pack/max(a,b)",

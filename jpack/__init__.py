@@ -3,6 +3,7 @@
 from jpack import optax as optax
 from jpack._collectives import Shards as Shards
 from jpack._collectives import all_gather as all_gather
+from jpack._collectives import assert_same_layout as assert_same_layout
 from jpack._collectives import broadcast as broadcast
 from jpack._collectives import pmean as pmean
 from jpack._collectives import psum as psum
@@ -29,6 +30,7 @@ __all__ = [
     "Shards",
     "Slot",
     "all_gather",
+    "assert_same_layout",
     "DataParallel",
     "TrainState",
     "broadcast",

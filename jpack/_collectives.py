@@ -157,6 +157,8 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
 def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
   """Reduce one bucket: psum, or psum_scatter (+ all_gather unless ``gather=False``)."""
   dtype = x.dtype
+  if x.size == 0:  # only zero-size leaves: XLA refuses to scatter an empty array
+    return jnp.zeros((0,), dtype)
   # Complex buckets keep their dtype: a real wire dtype would drop the imaginary part.
   floating = jnp.issubdtype(dtype, jnp.floating)
   wire = comm_dtype if (floating and comm_dtype is not None) else dtype
@@ -322,8 +324,8 @@ def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
   """
   if not isinstance(shards, Shards):
     raise TypeError(f"all_gather() expects jpack.Shards, got {type(shards).__name__}.")
-  return Packed(tuple(_all_gather(x, axis_name, axis=0, tiled=True)
-                      for x in shards.buckets), shards.layout)
+  return Packed(tuple(_all_gather(x, axis_name, axis=0, tiled=True) if x.size
+                      else jnp.zeros((0,), x.dtype) for x in shards.buckets), shards.layout)
 
 
 def vary(tree: Any, axis_name: AxisName) -> Any:
@@ -352,6 +354,40 @@ def vary(tree: Any, axis_name: AxisName) -> Any:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def assert_same_layout(layout: Layout) -> None:
+  """Raise unless every process planned the same layout (multi-process runs).
+
+  Collectives combine buffers by bucket index: processes that planned different layouts
+  (another model config, other plan options or library version) would silently mix
+  unrelated parameters. Call it once, outside ``jit``, before the first collective of
+  a step you build yourself; `jpack.data_parallel` calls it in ``init``. Every process
+  must call it (it exchanges the layouts' fingerprints). With one process it returns at
+  once.
+
+  Args:
+    layout: this process's `Layout`.
+
+  Raises:
+    ValueError: the processes' layout fingerprints differ; the message lists them.
+
+  Examples:
+    >>> import jax.numpy as jnp, jpack
+    >>> jpack.assert_same_layout(jpack.plan({"w": jnp.ones(3)}))
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+
+  mine = np.frombuffer(layout.fingerprint.encode(), np.uint8)
+  everyone = np.asarray(multihost_utils.process_allgather(mine))
+  prints = {bytes(row.astype(np.uint8)).decode() for row in everyone.reshape(-1, mine.size)}
+  if len(prints) > 1:
+    raise ValueError(
+        f"Processes planned different jpack layouts (fingerprints {sorted(prints)}); this "
+        f"process has {layout.fingerprint}. Every process must build the step from the same "
+        "param shapes, dtypes and plan options, or collectives would mix unrelated buffers.")
 
 
 def _axis_size(axis_name: AxisName) -> int:

@@ -13,6 +13,7 @@ import hashlib
 import html
 import json
 import math
+import re
 from typing import Any, Callable, Hashable, NamedTuple
 
 import jax
@@ -202,7 +203,7 @@ class Layout:
     """Serialize to a JSON string (canonical: equal layouts give equal strings)."""
     doc = {
         "format": "jpack.Layout/1",
-        "treedef": str(self.treedef),
+        "treedef": _treedef_text(self.treedef),
         "structure": _structure_to_json(self.treedef),
         "align_bytes": self.align_bytes,
         "num_shards": self.num_shards,
@@ -238,7 +239,7 @@ class Layout:
             "describe; pass treedef=jax.tree.structure(your_tree) to Layout.from_json.")
       treedef = jax.tree.structure(_structure_from_json(doc["structure"]),
                                    is_leaf=lambda x: x is _LEAF)
-    if str(treedef) != doc["treedef"]:
+    if _treedef_text(treedef) != doc["treedef"]:
       raise ValueError(f"treedef {treedef} does not match the saved one {doc['treedef']}.")
     slots = tuple(Slot(p, b, o, tuple(sh), _dtype_from_name(d), n)
                   for p, b, o, sh, d, n in doc["slots"])
@@ -501,6 +502,13 @@ def _group_name(group: tuple[str, Hashable]) -> str:
 
 
 _LEAF = object()
+
+
+def _treedef_text(treedef: Any) -> str:
+  """``str(treedef)`` without memory addresses, which differ between processes: static
+  fields of custom nodes (an equinox module's activation function, say) print as
+  ``<function relu at 0x7f...>``."""
+  return re.sub(r" at 0x[0-9a-fA-F]+", "", str(treedef))
 
 
 def _structure_to_json(treedef: Any) -> Any:

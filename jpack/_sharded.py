@@ -7,9 +7,7 @@ local slices, so per-device optimizer memory is ~1/N of the replicated state.
 
 from __future__ import annotations
 
-import functools
 import math
-import types
 from typing import Any, Mapping
 
 import jax
@@ -23,7 +21,7 @@ from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
-                               _labelled)
+                               _labelled, _refuse_inner)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -92,7 +90,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
   """
   _check_inner(inner, labels)
-  _refuse_unshardable(inner)
+  _refuse_inner(inner, "inside jpack.optax.sharded", slices=True)
 
   def layout_for(tree, n):
     if isinstance(tree, (Packed, Shards)):
@@ -163,6 +161,7 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
     scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
     return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
 
+  update_fn.global_norm_axis_name = axis_name  # `sharded` refuses None: a slice's norm
   return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -312,54 +311,3 @@ def state_bytes_per_device(state: ShardedState, num_devices: int) -> int:
     nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
     total += nbytes // num_devices if x.ndim else nbytes
   return total
-
-
-# -- refusing inner transforms that cannot run on slices -------------------------------
-
-# optax factories whose result depends on whole leaves or on the whole gradient.
-_UNSHARDABLE = {
-    "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "per_example_global_norm_clip",
-    "scale_by_trust_ratio", "lamb", "lars", "fromage", "scale_by_param_block_norm",
-    "scale_by_param_block_rms", "normalize_by_update_norm", "scale_by_factored_rms",
-    "adafactor", "sm3", "scale_by_sm3", "masked", "multi_transform", "partition", "muon",
-    "scale_by_muon", "lbfgs", "scale_by_lbfgs", "polyak_sgd", "scale_by_polyak",
-    "scale_by_zoom_linesearch", "scale_by_backtracking_linesearch", "apply_if_finite",
-    "skip_not_finite", "skip_large_updates", "centralize", "scale_by_distance_over_gradients",
-    "dog", "dowg", "scale_by_dowg", "prodigy", "scale_by_prodigy", "novograd",
-    "scale_by_novograd", "flatten", "contrib_dadapt_adamw", "dadapt_adamw",
-    "scale_by_dadapt_adam", "mechanize", "scale_by_mechanic", "cocob", "scale_by_cocob",
-}
-
-
-def _refuse_unshardable(inner: Any) -> None:
-  seen: set[int] = set()
-
-  def visit(obj: Any, depth: int) -> None:
-    if depth > 12 or id(obj) in seen:
-      return
-    seen.add(id(obj))
-    if isinstance(obj, types.FunctionType):
-      name = obj.__qualname__.split(".<locals>")[0]
-      if obj.__module__.startswith("optax") and name in _UNSHARDABLE:
-        raise TypeError(
-            f"optax.{name} cannot run inside jpack.optax.sharded: it needs whole leaves or "
-            "the whole gradient, but each device sees only a slice of each bucket, so it "
-            "would silently compute something else. Use "
-            "jpack.optax.clip_by_global_norm(max_norm, axis_name) for clipping, labels= "
-            "with a dict of transformations for masks, or jpack.optax.allreduce + the "
-            "replicated optimizer.")
-      for cell in obj.__closure__ or ():
-        try:
-          visit(cell.cell_contents, depth + 1)
-        except ValueError:  # empty cell
-          pass
-    elif isinstance(obj, (tuple, list)):
-      for item in obj:
-        visit(item, depth + 1)
-    elif isinstance(obj, Mapping):
-      for item in obj.values():
-        visit(item, depth + 1)
-    elif isinstance(obj, functools.partial):
-      visit(obj.func, depth + 1)
-
-  visit(inner, 0)

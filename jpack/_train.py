@@ -13,11 +13,13 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpack._collectives import all_gather, broadcast, pmean, reduce_scatter, shard, vary
+from jpack._collectives import (all_gather, assert_same_layout, broadcast, pmean,
+                                reduce_scatter, shard, vary)
 from jpack._layout import Layout, _dtype_name, plan
 from jpack._pack import Packed, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
-from jpack._transforms import Labels, _after, _check_inner, _firsts, _group_fn_for, flat
+from jpack._transforms import (Labels, _after, _check_inner, _firsts, _group_fn_for,
+                               _refuse_inner, flat)
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -131,6 +133,9 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
   _check_inner(optimizer, labels)
+  if mode == "packed":
+    _refuse_inner(optimizer, "on the packed params of data_parallel(mode='packed') (use "
+                  "mode='allreduce' for it)")
   n = mesh.shape[axis_name]
   layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
                 **{"num_shards": n, **plan_options})
@@ -215,7 +220,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                                   out_specs=(state_specs, P())), donate_argnums=0)
 
   def init(params):
-    _check_same_layout_everywhere(layout)
+    assert_same_layout(layout)
     return init_sm(jax.tree.map(lambda x: _replicate(x, replicated), params))
 
   batch_sharding = NamedSharding(mesh, P(axis_name))
@@ -305,7 +310,7 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
   step_p = jax.pmap(local_step, axis_name=axis_name, devices=devices)
 
   def init(params):
-    _check_same_layout_everywhere(layout)
+    assert_same_layout(layout)
     stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + np.shape(x)), params)
     return init_p(stacked)
 
@@ -322,19 +327,3 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
     return to_tree(jax.tree.map(lambda x: x[0], state))
 
   return DataParallel(init, step, params, layout)
-
-
-def _check_same_layout_everywhere(layout: Layout) -> None:
-  """In multi-process runs, refuse to reduce misaligned buffers: compare fingerprints."""
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils
-
-  mine = np.frombuffer(layout.fingerprint.encode(), np.uint8)
-  everyone = np.asarray(multihost_utils.process_allgather(mine))
-  prints = {bytes(row.astype(np.uint8)).decode() for row in everyone.reshape(-1, mine.size)}
-  if len(prints) > 1:
-    raise ValueError(
-        f"Processes planned different jpack layouts (fingerprints {sorted(prints)}); this "
-        f"process has {layout.fingerprint}. Every process must build the step from the same "
-        "param shapes, dtypes and plan options, or collectives would mix unrelated buffers.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import jax
@@ -104,8 +105,10 @@ def flat(inner: Inner, *, labels: Labels = None,
 
   Args:
     inner: the transformation to run on the buckets. Must be elementwise (sgd, momentum,
-      adam, adamw, lion, schedules, ...): per-leaf norms or shapes are not visible on
-      buckets. Or a dict ``{label: transformation}`` used with ``labels``.
+      adam, adamw, lion, schedules, ...) or need only the whole gradient
+      (``clip_by_global_norm``): per-leaf norms or shapes are not visible on buckets, and
+      optax transformations that need them are refused. Or a dict ``{label:
+      transformation}`` used with ``labels``.
     labels: per-leaf labels, as in `optax.multi_transform`: a tree of labels with the
       structure of the params, or a function ``params -> tree of labels``. Leaves with
       different labels go to different buckets, and bucket ``i`` is updated by
@@ -115,6 +118,10 @@ def flat(inner: Inner, *, labels: Labels = None,
 
   Returns:
     An `optax.GradientTransformation` whose state is `FlatState`.
+
+  Raises:
+    TypeError: ``inner`` holds an optax transformation that needs whole leaves (lamb,
+      adafactor, masked, ...); it would silently compute something else on buckets.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jpack
@@ -126,6 +133,7 @@ def flat(inner: Inner, *, labels: Labels = None,
     (2, 2)
   """
   _check_inner(inner, labels)
+  _refuse_inner(inner, "inside jpack.optax.flat")
 
   def init_fn(params):
     packed = _pack(params, labels, plan_options)
@@ -202,3 +210,76 @@ def _check_inner(inner: Inner, labels: Labels) -> None:
             if hasattr(inner, "gradient_transformation") else "")
     raise TypeError(f"inner must be an optax.GradientTransformation (or a dict of them with "
                     f"labels=), got {type(inner).__name__}{hint}.")
+
+
+# -- refusing inner transforms that buckets would silently change ----------------------
+
+# optax factories that need each leaf's shape or values, or the params tree itself
+# (per-leaf norms, factored moments, masks and labels by leaf, line searches calling the
+# loss): on buckets, which mix many leaves, they would compute something else.
+_NEEDS_LEAVES = {
+    "clip_by_block_rms", "adaptive_grad_clip", "per_example_global_norm_clip",
+    "scale_by_trust_ratio", "lamb", "lars", "fromage", "scale_by_param_block_norm",
+    "scale_by_param_block_rms", "scale_by_factored_rms", "adafactor", "sm3", "scale_by_sm3",
+    "masked", "multi_transform", "partition", "muon", "scale_by_muon", "centralize",
+    "novograd", "scale_by_novograd", "flatten", "scale_by_zoom_linesearch",
+    "scale_by_backtracking_linesearch",
+}
+# ... and those that need the whole gradient: right on all the buckets, wrong on a slice.
+_NEEDS_WHOLE_GRADIENT = {
+    "clip_by_global_norm", "normalize_by_update_norm", "lbfgs", "scale_by_lbfgs",
+    "polyak_sgd", "scale_by_polyak", "apply_if_finite", "skip_not_finite",
+    "skip_large_updates", "scale_by_distance_over_gradients", "dog", "dowg", "scale_by_dowg",
+    "prodigy", "scale_by_prodigy", "contrib_dadapt_adamw", "dadapt_adamw",
+    "scale_by_dadapt_adam", "mechanize", "scale_by_mechanic", "cocob", "scale_by_cocob",
+}
+
+
+def _refuse_inner(inner: Any, where: str, *, slices: bool = False) -> None:
+  """Raise TypeError if ``inner`` holds a transformation that buckets (or, with
+  ``slices``, each device's slice of them) would silently change."""
+  for fn in _functions_in(inner):
+    name = fn.__qualname__.split(".<locals>")[0]
+    optax_fn = fn.__module__.startswith("optax")
+    if optax_fn and name in _NEEDS_LEAVES:
+      raise TypeError(
+          f"optax.{name} cannot run {where}: it needs each leaf's shape or values (or the "
+          "params tree), but it would see 1-D buckets that mix many leaves and silently "
+          "compute something else. Use labels= with a dict of transformations for masks, "
+          "or jpack.optax.allreduce followed by the optimizer on the tree.")
+    if slices and optax_fn and name in _NEEDS_WHOLE_GRADIENT:
+      raise TypeError(
+          f"optax.{name} cannot run {where}: it needs the whole gradient, but each device "
+          "sees only a slice of each bucket, so it would silently compute something else. "
+          "Use jpack.optax.clip_by_global_norm(max_norm, axis_name) for clipping, or "
+          "jpack.optax.allreduce + the replicated optimizer.")
+    if slices and getattr(fn, "global_norm_axis_name", "") is None:
+      raise TypeError(
+          f"jpack.optax.clip_by_global_norm without axis_name cannot run {where}: each "
+          "device would clip its slice by the slice's own norm. Pass the axis the "
+          "gradient is sharded over: jpack.optax.clip_by_global_norm(max_norm, axis_name).")
+
+
+def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):
+  """The functions reachable from ``obj`` through closures, tuples, dicts and partials
+  (a GradientTransformation is a tuple of closures over its parts)."""
+  seen = set() if seen is None else seen
+  if depth > 12 or id(obj) in seen:
+    return
+  seen.add(id(obj))
+  if isinstance(obj, types.FunctionType):
+    yield obj
+    for cell in obj.__closure__ or ():
+      try:
+        contents = cell.cell_contents
+      except ValueError:  # empty cell
+        continue
+      yield from _functions_in(contents, depth + 1, seen)
+  elif isinstance(obj, (tuple, list)):
+    for item in obj:
+      yield from _functions_in(item, depth + 1, seen)
+  elif isinstance(obj, Mapping):
+    for item in obj.values():
+      yield from _functions_in(item, depth + 1, seen)
+  elif isinstance(obj, functools.partial):
+    yield from _functions_in(obj.func, depth + 1, seen)

@@ -29,7 +29,7 @@ def test_step_benchmark_every_mode_matches_per_leaf():
   text = bench("step", "--models", "mlp_4x32", "--steps", "2", "--blocks", "1")
   assert "machine:" in text and "speed-up" in text
   labels = ["ravel_pytree", "optax.flatten", "jpack allreduce", "jpack packed",
-            "jpack sharded", "hand-written ZeRO-1"]
+            "jpack sharded", "hand-written ZeRO-1", "optax.chain(jpack.optax.allreduce, adam)"]
   for label in labels:
     rows = [r for r in table_rows(text, label) if r[0] == label]
     assert rows, f"no row {label!r} in\n{text}"

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -258,6 +258,41 @@ def test_reduce_scatter_then_all_gather_equals_psum():
             jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t))
 
   got, want = run_shard_map(fn, tree)
+  assert_close(got, want)
+
+
+@settings(max_examples=8, deadline=None)
+@given(specs=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=2).map(tuple),
+                                st.sampled_from(FLOATS + INTS + [np.bool_])),
+                      min_size=1, max_size=8),
+       seed=st.integers(0, 1000), root=st.integers(0, N - 1), use_pmap=st.booleans())
+def test_broadcast_equals_the_roots_values_on_random_trees(specs, seed, root, use_pmap):
+  tree = per_device_tree(np.random.default_rng(seed), specs)
+  tree = {k: (v % 2).astype(bool) if v.dtype == np.bool_ else v for k, v in tree.items()}
+  got = (run_pmap if use_pmap else run_shard_map)(
+      lambda t: jpack.broadcast(t, "batch", root=root, align_bytes=16), tree)
+  for k in tree:
+    assert bits(got[k]) == bits(tree[k][root]), k
+
+
+@settings(max_examples=8, deadline=None)
+@given(specs=specs_strategy, seed=st.integers(0, 1000), use_pmap=st.booleans(),
+       mean=st.booleans(), bucket_bytes=st.integers(16, 256))
+def test_reduce_scatter_then_all_gather_equals_per_leaf_psum_on_random_trees(
+    specs, seed, use_pmap, mean, bucket_bytes):
+  tree = per_device_tree(np.random.default_rng(seed), specs)
+  if mean:  # a mean of integers is refused (see below): floats only
+    tree = {k: v for k, v in tree.items() if jnp.issubdtype(v.dtype, jnp.floating)}
+    assume(tree)
+  reference = jax.lax.pmean if mean else jax.lax.psum
+
+  def fn(t):
+    shards = jpack.reduce_scatter(t, "batch", mean=mean, bucket_bytes=bucket_bytes,
+                                  align_bytes=16)
+    return (jpack.unpack(jpack.all_gather(shards, "batch")),
+            jax.tree.map(lambda x: reference(x, "batch"), t))
+
+  got, want = (run_pmap if use_pmap else run_shard_map)(fn, tree)
   assert_close(got, want)
 
 

@@ -284,6 +284,30 @@ def test_fingerprint_is_stable_across_processes():
   assert out == {jpack.plan(workload_shapes("bert_base")).fingerprint}
 
 
+def test_fingerprint_ignores_memory_addresses_in_custom_nodes():
+  # An equinox-style module keeps its activation function as a static field, which prints
+  # with its address: processes must still agree on the layout.
+  code = '''
+import dataclasses, jax, jpack
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Dense:
+  w: jax.ShapeDtypeStruct
+  activation: object = dataclasses.field(metadata=dict(static=True))
+
+junk = [object() for _ in range({n})]  # shifts later allocations
+layer = Dense(jax.ShapeDtypeStruct((3, 4), "float32"), lambda x: x)
+layout = jpack.plan(layer)
+assert "0x" not in layout.to_json(), layout.to_json()
+assert jpack.Layout.from_json(layout.to_json(), jax.tree.structure(layer)) == layout
+print(layout.fingerprint)
+'''
+  out = {subprocess.run([sys.executable, "-c", code.format(n=n)], capture_output=True,
+                        text=True, check=True, timeout=120).stdout.strip() for n in (1, 5000)}
+  assert len(out) == 1
+
+
 def test_summary_and_html():
   tree = {"a": sds(300), "b": sds(2, dtype=jnp.int8)}
   layout = jpack.plan(tree)

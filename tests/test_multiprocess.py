@@ -52,6 +52,8 @@ def test_two_processes_match_single_process_reference(tmp_path):
   for r in results:
     np.testing.assert_allclose(r["psum"]["a"], a.sum(0), rtol=1e-5)
     np.testing.assert_array_equal(r["psum"]["b"], b.sum(0))
+    np.testing.assert_allclose(r["pmean"], a.mean(0), rtol=1e-5)
+    assert "direct_error" not in r
   # Reference: one process, full batch, params of process 0 (the broadcast root).
   params = init_cnn(jax.random.key(0))
   tx = optax.adam(1e-2)
@@ -73,3 +75,4 @@ def test_layout_mismatch_across_processes_is_a_clear_error(tmp_path):
   results = launch(tmp_path, mismatch=True)
   for r in results:
     assert "different jpack layouts" in r["error"]
+    assert "different jpack layouts" in r["direct_error"]

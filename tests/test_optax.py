@@ -138,3 +138,31 @@ def test_flat_errors():
   tx = jpack.optax.flat(optax.adam(1e-3), labels={"x": "a"})
   with pytest.raises(ValueError, match="same tree structure"):
     tx.init(params0())
+
+
+@pytest.mark.parametrize("inner", [
+    lambda: optax.lamb(1e-3),
+    lambda: optax.adafactor(1e-3),
+    lambda: optax.novograd(1e-3),
+    lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    lambda: {"a": optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1))},
+])
+def test_flat_refuses_transforms_that_need_whole_leaves(inner):
+  # On 1-D buckets an ndim-based mask would see no matrix at all (no weight decay, no
+  # error), and per-leaf norms would be per-bucket norms.
+  labels = lambda p: jax.tree.map(lambda _: "a", p)
+  inner = inner()
+  with pytest.raises(TypeError, match="cannot run inside jpack.optax.flat.*labels="):
+    jpack.optax.flat(inner, labels=labels if isinstance(inner, dict) else None)
+  with pytest.raises(TypeError, match=r"data_parallel\(mode='packed'\)"):
+    jpack.data_parallel(loss, inner, params0(), mode="packed",
+                        labels=labels if isinstance(inner, dict) else None)
+  jpack.data_parallel(loss, inner, params0(), mode="allreduce",
+                      labels=labels if isinstance(inner, dict) else None)
+
+
+def test_flat_global_norm_clipping_sees_the_whole_gradient():
+  # Buckets hold every leaf (and zero padding): their global norm is the tree's.
+  opt = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
+  got = run(optax.chain(jpack.optax.allreduce("batch"), jpack.optax.flat(opt)), 20)
+  assert_trees_close(got, run(opt, 20, reduce=per_leaf_pmean))

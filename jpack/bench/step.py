@@ -8,6 +8,9 @@ Every variant is `jpack.data_parallel` (shard_map over ``("batch",)``, inputs pl
   optax.flatten per-leaf pmean + ``optax.flatten(optax.adam)``
   allreduce     ``optax.chain(jpack.optax.allreduce, adam)`` semantics: params a tree,
                 gradients packed into buckets, one collective per bucket, unpacked
+                (``data_parallel(mode="allreduce")``)
+  optax.chain   the same written by hand: ``optax.chain(jpack.optax.allreduce, adam)``
+                in a plain shard_map step (not on big models)
   packed        persistent packed params: the loss unpacks them, gradients arrive packed,
                 adam updates the buckets (no per-step pack)
   packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
@@ -55,7 +58,8 @@ PER_DEVICE_BATCH = 16
 
 # Goals from the issues (step-time speed-up over the per-leaf step, same run).
 # mlp_24x1024 is the "ResNet-50-sized" model (25.2 M params, as in the feasibility study).
-GOALS = {("mlp_40x256", "allreduce"): 1.0, ("mlp_40x256", "packed"): 1.0,
+GOALS = {("mlp_40x256", "allreduce"): 1.0, ("mlp_40x256", "optax_chain"): 1.0,
+         ("mlp_40x256", "packed"): 1.0,
          ("mlp_40x256", "sharded"): 2.5, ("mlp_24x1024", "allreduce"): 1.0,
          ("mlp_24x1024", "packed"): 1.0, ("mlp_24x1024", "sharded"): 1.5}
 
@@ -65,6 +69,9 @@ VARIANTS = {
     "ravel": ("ravel_pytree", "ravel", False, None),
     "flatten": ("optax.flatten", "per_leaf", True, None),
     "allreduce": ("jpack allreduce", "allreduce", False, None),
+    # The step users write in their own shard_map, exactly as the issue names it:
+    # optax.chain(jpack.optax.allreduce, adam), params a tree (no data_parallel).
+    "optax_chain": ("optax.chain(jpack.optax.allreduce, adam)", None, False, None),
     "packed": ("jpack packed", "packed", False, None),
     "packed_bf16": ("jpack packed bf16", "packed", False, jnp.bfloat16),
     "sharded": ("jpack sharded", "sharded", False, None),
@@ -222,6 +229,30 @@ def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> jpack
   return jpack.DataParallel(init, step, lambda state: state.params, None)
 
 
+def _optax_chain(model: Model, mesh, plan_options: dict) -> jpack.DataParallel:
+  """A user's own shard_map step with ``optax.chain(jpack.optax.allreduce, adam)``."""
+  tx = optax.chain(jpack.optax.allreduce(AXIS, **plan_options), optax.adam(1e-3))
+
+  def local_init(params):
+    return jpack.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+  def local_step(state, batch):
+    # Per-device gradients: without vary, shard_map's autodiff would all-reduce each leaf.
+    loss, grads = jax.value_and_grad(model.loss)(jpack.vary(state.params, AXIS), batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new = jpack.TrainState(optax.apply_updates(state.params, updates), opt_state,
+                           state.step + 1)
+    return new, {"loss": jax.lax.pmean(loss, AXIS)}
+
+  specs = jpack.TrainState(P(), P(), P())
+  init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=specs))
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(AXIS)),
+                               out_specs=(specs, {"loss": P()})), donate_argnums=0)
+  replicated = NamedSharding(mesh, P())
+  return jpack.DataParallel(lambda params: init_sm(jax.device_put(params, replicated)), step,
+                            lambda state: state.params, None)
+
+
 def _study_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> jpack.DataParallel:
   """ZeRO-1 as the feasibility study wrote it, with plain jax + optax (no jpack).
 
@@ -309,7 +340,8 @@ def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepar
       "grad_only": lambda: _grads_only(model, mesh),
       "packed_grad_only": lambda: _grads_only(model, mesh,
                                               jpack.plan(model.params, **plan_options)),
-      "study_zero1": lambda: _study_zero1(model, mesh)}
+      "study_zero1": lambda: _study_zero1(model, mesh),
+      "optax_chain": lambda: _optax_chain(model, mesh, plan_options)}
   if key in not_data_parallel:
     dp = not_data_parallel[key]()
     state = jax.block_until_ready(dp.init(model.params))

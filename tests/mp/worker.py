@@ -32,11 +32,18 @@ f = jax.jit(jax.shard_map(lambda t: jpack.psum(jax.tree.map(lambda x: x[0], t), 
                           mesh=mesh, in_specs=P("batch"), out_specs=P()))
 summed = f(local)
 result["psum"] = {k: np.asarray(v.addressable_shards[0].data).tolist() for k, v in summed.items()}
+g = jax.jit(jax.shard_map(lambda t: jpack.pmean(t[0], "batch"), mesh=mesh, in_specs=P("batch"),
+                          out_specs=P()))
+result["pmean"] = np.asarray(g(local["a"]).addressable_shards[0].data).tolist()
 
 # A few training steps; process 1 starts from different params: broadcast fixes it.
 params = init_cnn(jax.random.key(0 if proc == 0 else 99))
 if mismatch and proc == 1:
   params["extra"] = jax.numpy.zeros(3)
+try:  # the check a hand-built step makes before its first collective
+  jpack.assert_same_layout(jpack.plan(params))
+except ValueError as e:
+  result["direct_error"] = str(e)
 dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode="sharded")
 try:
   state = dp.init(params)

@@ -152,15 +152,22 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     tx = optimizer
 
   def reduce_grads(grads, starts):
+    """The mean gradients and their global norm."""
     if mode == "per_leaf":
-      return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads)
+      grads = jax.tree.map(lambda g: lax.pmean(g, axis_name), grads)
+      return grads, optax.tree.norm(grads)
     if mode == "ravel":
       flat, unravel = ravel_pytree(grads)
-      return unravel(lax.pmean(flat, axis_name))
+      flat = lax.pmean(flat, axis_name)
+      return unravel(flat), optax.tree.norm(flat)
     if isinstance(grads, Packed):
-      return pmean(grads, axis_name, comm_dtype=comm_dtype)
+      reduced = pmean(grads, axis_name, comm_dtype=comm_dtype)
+      return reduced, jnp.sqrt(_sum_of_squares(reduced.buckets))
     reduced = pmean(pack(grads, layout), axis_name, comm_dtype=comm_dtype)
-    return unpack(reduced) if starts is None else _unpack_at(reduced, starts)
+    # The norm of the few buckets (zero padding adds nothing), not of every leaf: a
+    # reduction per leaf cost ~10 % of an MLP 40x256 step.
+    norm = jnp.sqrt(_sum_of_squares(reduced.buckets))
+    return (unpack(reduced) if starts is None else _unpack_at(reduced, starts)), norm
 
   def local_init(params):
     params = broadcast(params, axis_name, root=root, layout=layout)
@@ -191,8 +198,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       updates, opt_state = tx.update(shards, state.opt_state, local)
       params = all_gather(optax.apply_updates(local, updates), axis_name)
     else:
-      grads = reduce_grads(grads, state.offsets or None)
-      grad_norm = optax.tree.norm(grads)
+      grads, grad_norm = reduce_grads(grads, state.offsets or None)
       if mode in ("packed", "allreduce"):
         grads = _after(grads, grad_norm, loss, *_firsts(aux))
       updates, opt_state = tx.update(grads, state.opt_state, state.params)

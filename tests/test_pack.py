@@ -14,12 +14,16 @@ import jpack
 import jpack._pack
 from conftest import bits, workload_shapes
 
-DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int8, np.uint8, np.int16, np.int32,
-          np.uint32, np.bool_, np.complex64]
+KEY = "key"  # typed PRNG key arrays (jax.random.key): random key data
+DTYPES = [np.float32, jnp.bfloat16, np.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, np.int8,
+          np.uint8, np.int16, np.int32, np.uint32, np.bool_, np.complex64, KEY]
 
 
 def random_leaf(rng, shape, dtype):
   """Random bits of the dtype: NaNs, infs, extremes and all (bool: 0/1 only)."""
+  if isinstance(dtype, str) and dtype == KEY:
+    data = rng.integers(0, 2**32, size=tuple(shape) + (2,), dtype=np.uint32)
+    return jax.random.wrap_key_data(jnp.asarray(data))
   dtype = np.dtype(dtype)
   if dtype == np.bool_:
     return jnp.asarray(rng.integers(0, 2, shape).astype(bool))

@@ -230,8 +230,18 @@ def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> jpack
 
 
 def _optax_chain(model: Model, mesh, plan_options: dict) -> jpack.DataParallel:
-  """A user's own shard_map step with ``optax.chain(jpack.optax.allreduce, adam)``."""
-  tx = optax.chain(jpack.optax.allreduce(AXIS, **plan_options), optax.adam(1e-3))
+  """A user's own shard_map step with ``optax.chain(jpack.optax.allreduce, adam)``.
+
+  Like every data_parallel step (per-leaf included), it reports the global norm of the
+  reduced gradients, recorded by a transform between the all-reduce and adam.
+  """
+  def record_norm():
+    return optax.GradientTransformation(
+        lambda params: jnp.zeros((), jnp.float32),
+        lambda updates, state, params=None: (updates, optax.tree.norm(updates)))
+
+  tx = optax.chain(jpack.optax.allreduce(AXIS, **plan_options), record_norm(),
+                   optax.adam(1e-3))
 
   def local_init(params):
     return jpack.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
@@ -242,12 +252,13 @@ def _optax_chain(model: Model, mesh, plan_options: dict) -> jpack.DataParallel:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = jpack.TrainState(optax.apply_updates(state.params, updates), opt_state,
                            state.step + 1)
-    return new, {"loss": jax.lax.pmean(loss, AXIS)}
+    return new, {"loss": jax.lax.pmean(loss, AXIS), "grad_norm": opt_state[1]}
 
   specs = jpack.TrainState(P(), P(), P())
   init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=specs))
   step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(AXIS)),
-                               out_specs=(specs, {"loss": P()})), donate_argnums=0)
+                               out_specs=(specs, {"loss": P(), "grad_norm": P()})),
+                 donate_argnums=0)
   replicated = NamedSharding(mesh, P())
   return jpack.DataParallel(lambda params: init_sm(jax.device_put(params, replicated)), step,
                             lambda state: state.params, None)

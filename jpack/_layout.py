@@ -440,7 +440,13 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
     if isinstance(leaf, jax.Array):
       _ARRAY_TYPES.add(kind)
   elif isinstance(leaf, _SCALAR_TYPES):
-    return (), jnp.asarray(leaf).dtype
+    try:
+      return (), jnp.asarray(leaf).dtype
+    except OverflowError:
+      raise ValueError(
+          f"Leaf at {path or '<root>'} is the Python int {leaf}, outside the range of "
+          f"{jnp.asarray(0).dtype} (64-bit types are disabled). Pass an array of an "
+          "explicit dtype, or enable jax_enable_x64.") from None
   else:
     raise TypeError(
         f"Leaf at {path or '<root>'} is a {type(leaf).__name__}, not an array: jpack packs "

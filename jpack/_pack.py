@@ -446,7 +446,11 @@ def _flatten_like(tree: Any, layout: Layout) -> list[Any]:
   leaves = []
   for (_, leaf), slot in zip(path_leaves, layout.slots):
     if isinstance(leaf, (bool, int, float, complex)):
-      leaf = jnp.asarray(leaf)
+      try:
+        leaf = jnp.asarray(leaf)
+      except OverflowError:
+        raise ValueError(f"Leaf at {slot.path or '<root>'} is the Python int {leaf}, "
+                         f"outside the range of the layout's {slot.dtype}.") from None
     elif not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
       raise TypeError(f"Leaf at {slot.path or '<root>'} is a {type(leaf).__name__}, not "
                       "an array; pack() needs values (plan() alone accepts "

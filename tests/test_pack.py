@@ -300,6 +300,10 @@ def test_dtype_mismatch_is_refused_not_cast():
 def test_non_array_leaf_and_bad_arguments():
   with pytest.raises(TypeError, match=r"\['s'\].*str"):
     jpack.pack({"s": "hello"})
+  with pytest.raises(ValueError, match=r"\['big'\].*Python int 4294967296.*int32"):
+    jpack.plan({"big": 2**32})  # never silently truncated
+  with pytest.raises(ValueError, match=r"\['big'\].*Python int 4294967296"):
+    jpack.pack({"big": 2**32}, jpack.plan({"big": 7}))
   layout = jpack.plan({"a": jax.ShapeDtypeStruct((2,), jnp.float32)})
   with pytest.raises(TypeError, match=r"\['a'\].*ShapeDtypeStruct"):
     jpack.pack({"a": jax.ShapeDtypeStruct((2,), jnp.float32)}, layout)

@@ -439,6 +439,8 @@ def _flatten_like(tree: Any, layout: Layout) -> list[Any]:
       detail.append(f"missing {sorted(want - got)[:5]}")
     if got - want:
       detail.append(f"unexpected {sorted(got - want)[:5]}")
+    if not detail:  # same key paths, different node types (a list for a tuple, ...)
+      detail.append(_first_node_difference(tree, layout.treedef))
     raise ValueError(
         "Tree structure does not match the layout"
         + (f" ({'; '.join(detail)})" if detail else f": got {treedef}, expected "
@@ -464,6 +466,36 @@ def _flatten_like(tree: Any, layout: Layout) -> list[Any]:
                       "casts silently. Cast the leaf or plan a new layout.")
     leaves.append(leaf)
   return leaves
+
+
+def _first_node_difference(tree: Any, treedef: Any) -> str:
+  """Where ``tree`` first differs from ``treedef``, walking both one level at a time."""
+  expected = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
+
+  def one_level(x):
+    children, node = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    return children, node
+
+  def walk(got, want, path):
+    (got_children, got_node), (want_children, want_node) = one_level(got), one_level(want)
+    if got_node != want_node:
+      def kind(x):
+        node = jax.tree.structure(x)
+        if x is None:
+          return "None"
+        return "a leaf" if node.num_nodes == 1 and node.num_leaves == 1 else \
+            f"a {type(x).__name__}"
+      return (f"at {jax.tree_util.keystr(path) or '<root>'}: got {kind(got)}, expected "
+              f"{kind(want)}")
+    if jax.tree_util.treedef_is_leaf(got_node):
+      return ""
+    for (key, g), (_, w) in zip(got_children, want_children):
+      found = walk(g, w, path + key)
+      if found:
+        return found
+    return ""
+
+  return walk(tree, expected, ()) or f"got {jax.tree.structure(tree)}, expected {treedef}"
 
 
 def _check_buckets(buckets: tuple[Any, ...], layout: Layout) -> None:

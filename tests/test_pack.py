@@ -282,6 +282,14 @@ def test_structure_mismatch_names_missing_and_unexpected_paths():
     jpack.pack({"a": jnp.ones(2), "c": jnp.ones(2)}, layout)
 
 
+def test_structure_mismatch_with_the_same_paths_names_the_node():
+  layout = jpack.plan({"a": [jnp.ones(2)], "b": {"c": (jnp.ones(3), None)}})
+  with pytest.raises(ValueError, match=r"at \['b'\]\['c'\]: got a list, expected a tuple"):
+    jpack.pack({"a": [jnp.ones(2)], "b": {"c": [jnp.ones(3), None]}}, layout)
+  with pytest.raises(ValueError, match=r"at \['b'\]\['c'\]\[1\]: got a tuple, expected None"):
+    jpack.pack({"a": [jnp.ones(2)], "b": {"c": (jnp.ones(3), ())}}, layout)
+
+
 def test_shape_mismatch_names_path():
   layout = jpack.plan({"a": {"w": jnp.ones((2, 3))}})
   with pytest.raises(ValueError, match=r"\['a'\]\['w'\] has shape \(3, 2\).*\(2, 3\)"):

@@ -229,10 +229,9 @@ _CPU_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}
 
 def _host_readable(arrays: tuple[Any, ...]) -> bool:
   """CPU arrays whose every local device holds the whole value: numpy can view them."""
-  return all(isinstance(x, jax.Array) and x.is_fully_addressable
-             and x.sharding.is_fully_replicated
-             and all(d.platform == "cpu" for d in x.sharding.device_set)
-             for x in arrays)
+  return _on_cpu(arrays) and all(
+      isinstance(x, jax.Array) and x.is_fully_addressable and x.sharding.is_fully_replicated
+      for x in arrays)
 
 
 def _unpack_on_host(packed: Packed) -> Any:
@@ -473,18 +472,17 @@ def _first_node_difference(tree: Any, treedef: Any) -> str:
   expected = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
 
   def one_level(x):
-    children, node = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-    return children, node
+    return jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+
+  def kind(x):
+    if x is None:
+      return "None"
+    node = jax.tree.structure(x)
+    return "a leaf" if node.num_nodes == 1 and node.num_leaves == 1 else f"a {type(x).__name__}"
 
   def walk(got, want, path):
     (got_children, got_node), (want_children, want_node) = one_level(got), one_level(want)
     if got_node != want_node:
-      def kind(x):
-        node = jax.tree.structure(x)
-        if x is None:
-          return "None"
-        return "a leaf" if node.num_nodes == 1 and node.num_leaves == 1 else \
-            f"a {type(x).__name__}"
       return (f"at {jax.tree_util.keystr(path) or '<root>'}: got {kind(got)}, expected "
               f"{kind(want)}")
     if jax.tree_util.treedef_is_leaf(got_node):

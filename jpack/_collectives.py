@@ -116,9 +116,10 @@ def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     layout: as in `jpack.psum`.
     method: as in `jpack.psum`.
     allow_int: integer leaves have no exact mean in their own dtype, so they are refused
-      unless this is True; then they are summed exactly and floor-divided by the axis
-      size, keeping their dtype (exact for values equal on every device, like step
-      counters). ``jax.lax.pmean`` would instead return float32.
+      unless this is True; then each leaf gets the floor of the exact mean, in its own
+      dtype, with no overflow over the whole dtype range (values equal on every device,
+      like step counters, come back unchanged; it costs a second, int32 collective per
+      integer bucket). ``jax.lax.pmean`` would instead return float32.
 
   Returns:
     The averaged tree (or `Packed`), same structure and dtypes as ``tree``.
@@ -168,21 +169,35 @@ def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
     accumulate = jnp.promote_types(dtype, jnp.float32)
     return _scatter_narrow(x, axis_name, n, mean=mean, wire=wire, accumulate=accumulate,
                            gather=gather)
-  y = x.astype(wire)
-  if scatter:
-    y = lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+
+  def reduce(v):
+    if scatter:
+      return lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=True)
+    return lax.psum(v, axis_name)
+
+  if mean and not jnp.issubdtype(dtype, jnp.inexact):
+    y = _floor_mean(x, n, reduce)
   else:
-    y = lax.psum(y, axis_name)
-  if mean:
-    if jnp.issubdtype(dtype, jnp.inexact):
+    y = reduce(x.astype(wire))
+    if mean:
       wide = jnp.promote_types(dtype, wire)
       y = (y.astype(wide) / n).astype(dtype)
-    else:
-      y = y // n
   y = y.astype(dtype)
   if scatter and gather:
     y = _all_gather(y, axis_name, axis=0, tiled=True)
   return y
+
+
+def _floor_mean(x, n, reduce):
+  """floor(sum / n) of integers, exact over the whole dtype range.
+
+  Summing first overflows (eight int8 100s sum to 800); with x = n*q + r, 0 <= r < n,
+  the mean is sum(q) + floor(sum(r) / n): sum(q) is within a rounding of the result
+  (and modular arithmetic undoes any wrap), sum(r) < n*n is summed in int32.
+  """
+  q = x // n
+  r = (x - q * n).astype(jnp.int32)
+  return reduce(q) + (reduce(r) // n).astype(x.dtype)
 
 
 def _scatter_narrow(x, axis_name, n, *, mean, wire, accumulate, gather):

@@ -340,6 +340,27 @@ def test_allowed_int_mean_is_the_floor_of_the_exact_mean(method):
   np.testing.assert_array_equal(shards[:16], want)
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.int32, np.uint32])
+@pytest.mark.parametrize("method", ["psum", "scatter_gather"])
+def test_allowed_int_mean_does_not_overflow_near_the_dtype_limits(dtype, method):
+  info = np.iinfo(dtype)
+  rng = np.random.default_rng(12)
+  ints = rng.integers(info.min, info.max, size=(N, 64), endpoint=True,
+                      dtype=np.int64).astype(dtype)
+  ints[:, :4] = [info.max, info.min, info.max - 1, 100 % (info.max + 1)]  # equal everywhere
+  want = (ints.astype(object).sum(0) // N).astype(dtype)  # exact Python ints
+  got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True, method=method),
+               {"i": ints})["i"]
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got[:4], ints[0, :4])
+  layout = jpack.plan({"i": ints[0]}, num_shards=N)
+  shards = _trace(lambda t: jpack.all_gather(jpack.reduce_scatter(
+      jpack.pack(t, layout), "batch", mean=True, allow_int=True), "batch").buckets[0],
+      {"i": ints})
+  np.testing.assert_array_equal(shards[:64], want)
+
+
 def test_scatter_gather_refuses_a_bucket_that_does_not_split_evenly():
   tree = {"w": np.ones((N, 3), np.float32)}
   layout = jpack.plan({"w": np.ones(3, np.float32)}, align_bytes=4)  # 3 elements, 1 shard

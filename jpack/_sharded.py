@@ -21,7 +21,7 @@ from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
-                               _labelled, _refuse_inner)
+                               _labelled, _pack_like, _refuse_inner)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -85,6 +85,11 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   Returns:
     An `optax.GradientTransformation` whose state is a `ShardedState`.
 
+  Raises:
+    TypeError: ``inner`` cannot run on slices (see ``inner``).
+    ValueError: from ``update``, when the updates or params are a `jpack.Packed` or
+      `jpack.Shards` with another layout than ``state.layout``.
+
   Examples:
     >>> import optax, jpack
     >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
@@ -107,18 +112,18 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
 
   def update_fn(updates, state, params=None):
     layout = state.layout
-    if isinstance(updates, Shards):
-      grads = updates
+    packed = _pack_like(updates, layout, "updates")
+    if isinstance(packed, Shards):
+      grads = packed
     else:
-      packed = updates if isinstance(updates, Packed) else pack(updates, layout)
       grads = reduce_scatter(packed, axis_name, mean=True, comm_dtype=comm_dtype)
     grads = _after_all(grads)  # no per-step copy of donated parameter buckets
     local_params = None
-    if isinstance(params, Shards):
-      local_params = params.buckets
-    elif params is not None:
-      packed_params = params if isinstance(params, Packed) else pack(params, layout)
-      local_params = shard(packed_params, axis_name).buckets
+    if params is not None:
+      local_params = _pack_like(params, layout, "params")
+      if not isinstance(local_params, Shards):
+        local_params = shard(local_params, axis_name)
+      local_params = local_params.buckets
     new, inner_state = _labelled(inner, layout).update(grads.buckets, state.inner_state,
                                                        local_params)
     if isinstance(updates, Shards) and isinstance(params, Shards):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Callable, Mapping, NamedTuple, Union
+from typing import Any, Callable, Mapping, Union
 
 import jax
 import jax.numpy as jnp
@@ -88,9 +88,33 @@ def _firsts(tree: Any) -> list[jax.Array]:
           if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
 
 
-class FlatState(NamedTuple):
-  """State of `flat`."""
-  inner_state: optax.OptState  # `inner`'s state on the tuple of buckets
+@jax.tree_util.register_pytree_node_class
+class FlatState:
+  """State of `flat`.
+
+  A pytree (not a NamedTuple) because it carries the static `Layout` of the buckets:
+  updates packed with another layout are refused instead of mixing up leaves' moments.
+
+  Attributes:
+    inner_state: ``inner``'s state on the tuple of buckets.
+    layout: the static bucket `Layout` the state was initialised with.
+  """
+
+  __slots__ = ("inner_state", "layout")
+
+  def __init__(self, inner_state: optax.OptState, layout: Layout):
+    self.inner_state = inner_state
+    self.layout = layout
+
+  def tree_flatten(self):
+    return (self.inner_state,), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, children):
+    return cls(children[0], layout)
+
+  def __repr__(self) -> str:
+    return f"FlatState(layout={self.layout.fingerprint}, inner_state={self.inner_state!r})"
 
 
 def flat(inner: Inner, *, labels: Labels = None,
@@ -122,6 +146,8 @@ def flat(inner: Inner, *, labels: Labels = None,
   Raises:
     TypeError: ``inner`` holds an optax transformation that needs whole leaves (lamb,
       adafactor, masked, ...); it would silently compute something else on buckets.
+    ValueError: from ``update``, when the updates or params are a `jpack.Packed` with
+      another layout than the one the state was initialised with (``state.layout``).
 
   Examples:
     >>> import jax.numpy as jnp, optax, jpack
@@ -137,17 +163,17 @@ def flat(inner: Inner, *, labels: Labels = None,
 
   def init_fn(params):
     packed = _pack(params, labels, plan_options)
-    return FlatState(_labelled(inner, packed.layout).init(packed.buckets))
+    return FlatState(_labelled(inner, packed.layout).init(packed.buckets), packed.layout)
 
   def update_fn(updates, state, params=None):
+    layout = state.layout
     was_packed = isinstance(updates, Packed)
-    packed = _after_all(_pack(updates, labels, plan_options))  # no copies of donated params
-    layout = packed.layout
-    flat_params = None if params is None else _pack_like(params, layout).buckets
+    packed = _after_all(_pack_like(updates, layout, "updates"))  # no copies of donated params
+    flat_params = None if params is None else _pack_like(params, layout, "params").buckets
     new, inner_state = _labelled(inner, layout).update(packed.buckets, state.inner_state,
                                                        flat_params)
     out = Packed(tuple(new), layout)
-    return (out if was_packed else unpack(out)), FlatState(inner_state)
+    return (out if was_packed else unpack(out)), FlatState(inner_state, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -180,8 +206,17 @@ def _pack(tree: Any, labels: Labels, plan_options: Mapping[str, Any], **extra) -
   return pack(tree, plan(tree, group_fn=_group_fn_for(tree, labels), **plan_options, **extra))
 
 
-def _pack_like(tree: Any, layout: Layout) -> Packed:
-  return tree if isinstance(tree, Packed) else pack(tree, layout)
+def _pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:
+  """``tree`` packed with ``layout``; a `Packed` (or `Shards`) must already use it."""
+  if not hasattr(tree, "layout"):
+    return pack(tree, layout)
+  if tree.layout != layout:
+    raise ValueError(
+        f"The {what} are a {type(tree).__name__} with layout {tree.layout.fingerprint}, "
+        f"but the optimizer state was initialised with layout {layout.fingerprint}: "
+        "their buckets would pair different leaves. Pack them with the state's layout "
+        f"(state.layout), or pass the {what} as a tree.")
+  return tree
 
 
 def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformation:

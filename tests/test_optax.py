@@ -166,3 +166,19 @@ def test_flat_global_norm_clipping_sees_the_whole_gradient():
   opt = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
   got = run(optax.chain(jpack.optax.allreduce("batch"), jpack.optax.flat(opt)), 20)
   assert_trees_close(got, run(opt, 20, reduce=per_leaf_pmean))
+
+
+def test_flat_refuses_packed_updates_of_another_layout_and_takes_trees():
+  params = {"a": jnp.ones(64), "b": jnp.ones(64)}
+  grads = {"a": jnp.full(64, 1.0), "b": jnp.full(64, -100.0)}
+  tx = jpack.optax.flat(optax.adam(0.1))
+  state = tx.init(params)
+  other = jpack.plan(grads, reverse=False)  # same bucket sizes, other leaf order
+  assert other != state.layout
+  with pytest.raises(ValueError, match="layout"):
+    tx.update(jpack.pack(grads, other), state, params)
+  with pytest.raises(ValueError, match="params"):
+    tx.update(grads, state, jpack.pack(params, other))
+  want, _ = optax.adam(0.1).update(grads, optax.adam(0.1).init(params), params)
+  got, _ = tx.update(jpack.pack(grads, state.layout), state, params)  # the state's layout
+  assert_trees_close(jpack.unpack(got), want)

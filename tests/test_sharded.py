@@ -220,3 +220,25 @@ def test_clip_by_global_norm_counts_both_parts_of_complex_leaves():
   want, _ = optax.clip_by_global_norm(1.0).update(tree, optax.EmptyState())
   for k in tree:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+
+
+def test_sharded_refuses_packed_updates_of_another_layout():
+  params = {"a": jnp.ones(64), "b": jnp.ones(64)}
+  grads = {"a": jnp.full(64, 1.0), "b": jnp.full(64, -100.0)}
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+
+  def body(p, layout_kwargs):
+    tx = jpack.optax.sharded(optax.sgd(1.0), "x")
+    layout = jpack.plan(grads, num_shards=4, **layout_kwargs)
+    u, _ = tx.update(jpack.pack(grads, layout), tx.init(p), p)
+    return jpack.unpack(u)
+
+  def run_body(**layout_kwargs):
+    return jax.jit(jax.shard_map(lambda p: body(p, layout_kwargs), mesh=mesh, in_specs=P(),
+                                 out_specs=P(), check_vma=False))(params)
+
+  with pytest.raises(ValueError, match="layout"):
+    run_body(reverse=False)  # same bucket sizes, leaves in the other order
+  got = run_body()  # the layout sharded() plans itself: accepted
+  np.testing.assert_allclose(got["a"], -1.0)
+  np.testing.assert_allclose(got["b"], 100.0)

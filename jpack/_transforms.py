@@ -258,7 +258,9 @@ _NEEDS_LEAVES = {
     "scale_by_param_block_rms", "scale_by_factored_rms", "adafactor", "sm3", "scale_by_sm3",
     "masked", "multi_transform", "partition", "muon", "scale_by_muon", "centralize",
     "novograd", "scale_by_novograd", "flatten", "scale_by_zoom_linesearch",
-    "scale_by_backtracking_linesearch",
+    "scale_by_backtracking_linesearch", "scale_by_galore", "galore",
+    "hutchinson_estimator_diag_hessian", "scale_by_sophia", "sophia",
+    "differentially_private_aggregate", "dpsgd",
 }
 # ... and those that need the whole gradient: right on all the buckets, wrong on a slice.
 _NEEDS_WHOLE_GRADIENT = {
@@ -267,6 +269,7 @@ _NEEDS_WHOLE_GRADIENT = {
     "skip_large_updates", "scale_by_distance_over_gradients", "dog", "dowg", "scale_by_dowg",
     "prodigy", "scale_by_prodigy", "contrib_dadapt_adamw", "dadapt_adamw",
     "scale_by_dadapt_adam", "mechanize", "scale_by_mechanic", "cocob", "scale_by_cocob",
+    "normalize", "momo", "momo_adam", "sam",
 }
 
 
@@ -296,8 +299,10 @@ def _refuse_inner(inner: Any, where: str, *, slices: bool = False) -> None:
 
 
 def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):
-  """The functions reachable from ``obj`` through closures, tuples, dicts and partials
-  (a GradientTransformation is a tuple of closures over its parts)."""
+  """The functions reachable from ``obj`` through closures, tuples, dicts, partials,
+  bound methods and optax objects' attributes (a GradientTransformation is a tuple of
+  closures over its parts; ``optax.MultiSteps(...).gradient_transformation()`` one of
+  bound methods of an object holding the wrapped optimizer)."""
   seen = set() if seen is None else seen
   if depth > 12 or id(obj) in seen:
     return
@@ -318,3 +323,9 @@ def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):
       yield from _functions_in(item, depth + 1, seen)
   elif isinstance(obj, functools.partial):
     yield from _functions_in(obj.func, depth + 1, seen)
+  elif isinstance(obj, types.MethodType):
+    yield from _functions_in(obj.__func__, depth + 1, seen)
+    yield from _functions_in(obj.__self__, depth + 1, seen)
+  elif type(obj).__module__.startswith("optax") and hasattr(obj, "__dict__"):
+    for item in vars(obj).values():
+      yield from _functions_in(item, depth + 1, seen)

@@ -146,6 +146,9 @@ def test_flat_errors():
     lambda: optax.novograd(1e-3),
     lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
     lambda: {"a": optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1))},
+    # MultiSteps hands out bound methods of an object that holds the optimizer.
+    lambda: optax.MultiSteps(optax.lamb(1e-3), 2).gradient_transformation(),
+    lambda: optax.contrib.galore(1e-3, rank=2, update_proj_gap=1),  # projects 2-D leaves
 ])
 def test_flat_refuses_transforms_that_need_whole_leaves(inner):
   # On 1-D buckets an ndim-based mask would see no matrix at all (no weight decay, no

@@ -92,6 +92,8 @@ def test_masks_and_frozen_leaves_through_labels():
     lambda: optax.adafactor(1e-3),
     lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
     lambda: optax.inject_hyperparams(optax.lars)(learning_rate=1e-3),
+    lambda: optax.chain(optax.contrib.normalize(), optax.sgd(0.1)),  # a slice's own norm
+    lambda: optax.MultiSteps(optax.lamb(1e-3), 2).gradient_transformation(),
 ])
 def test_unshardable_inner_transforms_are_refused(inner):
   with pytest.raises(TypeError, match="cannot run inside jpack.optax.sharded"):

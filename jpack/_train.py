@@ -324,6 +324,8 @@ def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
   Unlike ``jax.device_put``, processes may pass different values (each initialised its
   own params): the broadcast from ``root`` in ``init`` then makes them equal.
   """
+  if isinstance(x, jax.core.Tracer):  # init traced (jax.eval_shape, jit): shard_map places it
+    return x
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
   if jax.process_count() == 1:
@@ -350,7 +352,12 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
 
   def init(params):
     assert_same_layout(layout)
-    stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + np.shape(x)), params)
+    def stack(x):  # a tracer when init itself is traced (jax.eval_shape, jit)
+      if isinstance(x, jax.core.Tracer):
+        return jnp.broadcast_to(x, (n,) + x.shape)
+      return np.broadcast_to(np.asarray(x), (n,) + np.shape(x))
+
+    stacked = jax.tree.map(stack, params)
     return init_p(stacked)
 
   def split(path, x):

@@ -364,3 +364,18 @@ def test_steps_dispatched_without_synchronising_do_not_deadlock(tmp_path):
                        timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("mode,use_pmap", [("sharded", False), ("packed", False),
+                                           ("allreduce", False), ("packed", True)])
+def test_init_can_be_traced_by_eval_shape_and_jit(mode, use_pmap):
+  params = init_cnn(jax.random.key(0))
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mode=mode, use_pmap=use_pmap)
+  real = dp.init(params)
+  shapes = jax.eval_shape(dp.init, params)  # e.g. `like=` for restoring a checkpoint
+  assert jax.tree.structure(shapes) == jax.tree.structure(real)
+  for a, b in zip(jax.tree.leaves(shapes), jax.tree.leaves(real)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+  jitted = jax.jit(dp.init)(params)
+  for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(real)):
+    np.testing.assert_array_equal(a, b)

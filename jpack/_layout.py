@@ -295,8 +295,9 @@ def plan(
     >>> [(b.dtype.name, b.size) for b in layout.buckets]
     [('float32', 16), ('int32', 4)]
   """
-  _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
-                 solo_bytes)
+  (bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
+   solo_bytes) = _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes,
+                                num_shards, solo_bytes)
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   n = len(path_leaves)
   paths: list[str] = [""] * n
@@ -378,21 +379,25 @@ def plan(
 
 def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
                    solo_bytes=None):
+  """The options as Python ints (numpy ints would not serialise to JSON), or ValueError."""
   def positive_int(name, value, allow_none=False):
     if value is None and allow_none:
-      return
+      return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return int(value)
 
-  positive_int("bucket_bytes", bucket_bytes)
-  positive_int("first_bucket_bytes", first_bucket_bytes, allow_none=True)
-  positive_int("max_leaves", max_leaves, allow_none=True)
-  positive_int("align_bytes", align_bytes)
-  positive_int("num_shards", num_shards)
-  positive_int("solo_bytes", solo_bytes, allow_none=True)
+  options = (positive_int("bucket_bytes", bucket_bytes),
+             positive_int("first_bucket_bytes", first_bucket_bytes, allow_none=True),
+             positive_int("max_leaves", max_leaves, allow_none=True),
+             positive_int("align_bytes", align_bytes),
+             positive_int("num_shards", num_shards),
+             positive_int("solo_bytes", solo_bytes, allow_none=True))
+  align_bytes = options[3]
   if align_bytes & (align_bytes - 1):
     raise ValueError(f"align_bytes must be a power of two, got {align_bytes}; "
                      "try 256 (CUDA's allocation alignment) or 64 (a cache line).")
+  return options
 
 
 def _is_key_dtype(dtype: Any) -> bool:

@@ -385,3 +385,13 @@ def test_group_labels_are_strings():
   layout = jpack.plan({"x": sds(2), "y": sds(2)}, group_fn=lambda p, x: ["a", p == "['x']"])
   assert sorted(b.group for b in layout.buckets) == [
       ("float32", "['a', False]"), ("float32", "['a', True]")]
+
+
+def test_numpy_int_options_give_the_same_serialisable_layout():
+  tree = {"a": jax.ShapeDtypeStruct((5,), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.int8)}
+  want = jpack.plan(tree, num_shards=2, align_bytes=64, bucket_bytes=1024, max_leaves=4)
+  got = jpack.plan(tree, num_shards=np.int64(2), align_bytes=np.int32(64),
+                   bucket_bytes=np.uint16(1024), max_leaves=np.int8(4))
+  assert got == want and hash(got) == hash(want)
+  assert got.fingerprint == want.fingerprint and got.to_json() == want.to_json()
+  assert "bucket" in repr(got) and "bucket" in got.summary()

@@ -106,9 +106,10 @@ def _fill(leaves: Any, layout: Layout) -> Packed:
   buckets = []
   for bucket in layout.buckets:
     flat, starts = [], []
+    mixed = _mixed_explicit_shardings([leaves[j] for j in bucket.slots])
     for j in bucket.slots:
       slot = layout.slots[j]
-      leaf = leaves[j]
+      leaf = _unsharded(leaves[j]) if mixed else leaves[j]
       if _is_key_dtype(slot.dtype):
         leaf = jax.random.key_data(leaf)
       flat.append(leaf if np.ndim(leaf) == 1 else lax.reshape(leaf, (np.size(leaf),)))
@@ -360,6 +361,13 @@ def _unsharded(array: Any) -> Any:
     return array
   return jax.sharding.reshard(array, jax.sharding.NamedSharding(sharding.mesh,
                                                                 jax.P()))
+
+
+def _mixed_explicit_shardings(leaves: list[Any]) -> bool:
+  """Leaves of one bucket typed with different shardings over Explicit mesh axes: JAX
+  refuses to concatenate them, so they are first made replicated."""
+  shardings = {getattr(jax.typeof(x), "sharding", None) for x in leaves}
+  return len(shardings) > 1 and any(s is not None and any(s.spec) for s in shardings)
 
 
 def _leaf(part: Any, slot: Any) -> Any:

@@ -393,3 +393,17 @@ def test_unpack_outside_jit_compiles_sharded_buckets_with_cpu_fast_options(monke
   _assert_bit_identical(jpack.unpack(packed), tree)
   assert compiled == [layout] and on_host == []
   _assert_bit_identical(jax.jit(jpack.unpack)(packed), tree)
+
+
+def test_pack_leaves_sharded_differently_over_an_explicit_mesh():
+  # JAX refuses to concatenate arrays typed with different Explicit shardings; such
+  # leaves are made replicated first (eagerly and under jit).
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+  tree = {"w": np.arange(16, dtype=np.float32), "r": np.arange(3, dtype=np.float32),
+          "n": np.ones(2, np.float32)}
+  placed = {"w": jax.device_put(tree["w"], NamedSharding(mesh, P("x"))),
+            "r": jax.device_put(tree["r"], NamedSharding(mesh, P())), "n": tree["n"]}
+  for pack in (jpack.pack, jax.jit(jpack.pack)):
+    packed = pack(placed)
+    _assert_bit_identical(jpack.unpack(packed), tree)
+    _assert_bit_identical(jax.jit(jpack.unpack)(packed), tree)

@@ -290,7 +290,13 @@ def shard(packed: Packed, axis_name: AxisName) -> Shards:
 
   Returns:
     `Shards`: bucket ``i`` sliced to ``[k * size / n, (k + 1) * size / n)`` on device k.
+
+  Raises:
+    TypeError: ``packed`` is not a `Packed` (pack the tree first, with ``num_shards``).
   """
+  if not isinstance(packed, Packed):
+    raise TypeError(f"shard() expects a jpack.Packed, got {type(packed).__name__}; pack "
+                    "the tree first: jpack.pack(tree, num_shards=<axis size>).")
   n = _axis_size(axis_name)
   _check_shardable(packed.layout, n)
   k = lax.axis_index(axis_name)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jpack._layout import Layout, _dtype_name, _is_key_dtype, _storage_dtype, plan
+from jpack._layout import (Layout, _dtype_name, _is_key_dtype, _storage_dtype, _treedef_text,
+                           plan)
 
 
 class _Buckets:
@@ -491,8 +492,11 @@ def _first_node_difference(tree: Any, treedef: Any) -> str:
   def walk(got, want, path):
     (got_children, got_node), (want_children, want_node) = one_level(got), one_level(want)
     if got_node != want_node:
-      return (f"at {jax.tree_util.keystr(path) or '<root>'}: got {kind(got)}, expected "
-              f"{kind(want)}")
+      where = jax.tree_util.keystr(path) or "<root>"
+      if kind(got) == kind(want):  # same node type, other static (aux) data
+        return (f"at {where}: {kind(got)} with other static data: got "
+                f"{_treedef_text(got_node)}, expected {_treedef_text(want_node)}")
+      return f"at {where}: got {kind(got)}, expected {kind(want)}"
     if jax.tree_util.treedef_is_leaf(got_node):
       return ""
     for (key, g), (_, w) in zip(got_children, want_children):

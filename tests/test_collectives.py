@@ -308,6 +308,9 @@ def test_shard_takes_this_devices_slice():
   out = jax.jit(jax.shard_map(fn, mesh=m, in_specs=P(), out_specs=P("batch")))(
       jax.device_put(tree, NamedSharding(m, P())))
   np.testing.assert_array_equal(out, np.arange(40, dtype=np.float32))  # the bucket is x
+  with pytest.raises(TypeError, match="expects a jpack.Packed, got dict"):
+    jax.jit(jax.shard_map(lambda t: jpack.shard(t, "batch"), mesh=m, in_specs=P(),
+                          out_specs=P("batch")))(jax.device_put(tree, NamedSharding(m, P())))
 
 
 # -- refusals --------------------------------------------------------------------------

@@ -290,6 +290,24 @@ def test_structure_mismatch_with_the_same_paths_names_the_node():
     jpack.pack({"a": [jnp.ones(2)], "b": {"c": (jnp.ones(3), ())}}, layout)
 
 
+class _Activation:
+  """A custom node whose static (aux) data is a name, as in equinox/flax modules."""
+
+  def __init__(self, x, name):
+    self.x, self.name = x, name
+
+
+jax.tree_util.register_pytree_node(_Activation, lambda m: ((m.x,), m.name),
+                                   lambda name, children: _Activation(children[0], name))
+
+
+def test_structure_mismatch_in_a_custom_nodes_static_data_shows_both():
+  layout = jpack.plan({"m": _Activation(jnp.ones(3), "relu")})
+  with pytest.raises(ValueError, match=r"at \['m'\]: a _Activation with other static data: "
+                     r"got .*gelu.*, expected .*relu"):
+    jpack.pack({"m": _Activation(jnp.ones(3), "gelu")}, layout)
+
+
 def test_shape_mismatch_names_path():
   layout = jpack.plan({"a": {"w": jnp.ones((2, 3))}})
   with pytest.raises(ValueError, match=r"\['a'\]\['w'\] has shape \(3, 2\).*\(2, 3\)"):

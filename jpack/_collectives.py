@@ -244,7 +244,7 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
     tree: a pytree of arrays, or a `Packed`.
     axis_name: the mesh / pmap axis.
     root: index along ``axis_name`` of the device whose values win.
-    layout: as in `jpack.psum`.
+    layout: as in `jpack.psum`, but planned from ``tree`` with ``num_shards=1`` if omitted.
     **plan_options: as in `jpack.psum`.
 
   Returns:

@@ -21,7 +21,7 @@ from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
-                               _labelled, _pack_like, _refuse_inner)
+                               _labelled, _pack_like, _refuse_inner, _refuse_reduce_in)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -96,6 +96,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   """
   _check_inner(inner, labels)
   _refuse_inner(inner, "inside jpack.optax.sharded", slices=True)
+  _refuse_reduce_in(inner, "inside jpack.optax.sharded")
 
   def layout_for(tree, n):
     if isinstance(tree, (Packed, Shards)):

@@ -20,7 +20,7 @@ from jpack._layout import Layout, _dtype_name, plan
 from jpack._pack import Packed, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
 from jpack._transforms import (Labels, _after, _check_inner, _firsts, _group_fn_for,
-                               _refuse_inner, flat)
+                               _refuse_inner, _refuse_reduce_in, flat)
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -90,8 +90,9 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar loss`` on one device's batch slice.
-    optimizer: the optax optimizer (without any all-reduce: the step adds it), or a dict
-      ``{label: optimizer}`` with ``labels``.
+    optimizer: the optax optimizer (without any all-reduce: the step adds it, and a
+      `jpack.optax.allreduce` in it is refused), or a dict ``{label: optimizer}`` with
+      ``labels``.
     params_like: the params tree, or a tree of `jax.ShapeDtypeStruct`; fixes the layout.
     mesh: a 1-D `jax.sharding.Mesh` whose axis is ``axis_name`` (default: all devices).
     axis_name: the data-parallel axis.
@@ -144,6 +145,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
   _check_inner(optimizer, labels)
+  _refuse_reduce_in(optimizer, "inside data_parallel's optimizer (the step reduces)")
   if mode == "packed":
     _refuse_inner(optimizer, "on the packed params of data_parallel(mode='packed') (use "
                   "mode='allreduce' for it)")

@@ -52,6 +52,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     return reduce(updates, axis_name, comm_dtype=comm_dtype, method=method,
                   **options), state
 
+  update_fn.jpack_reduces_over = axis_name  # data_parallel / sharded refuse a second reduce
   return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -296,6 +297,19 @@ def _refuse_inner(inner: Any, where: str, *, slices: bool = False) -> None:
           f"jpack.optax.clip_by_global_norm without axis_name cannot run {where}: each "
           "device would clip its slice by the slice's own norm. Pass the axis the "
           "gradient is sharded over: jpack.optax.clip_by_global_norm(max_norm, axis_name).")
+
+
+def _refuse_reduce_in(inner: Any, where: str) -> None:
+  """Raise TypeError if ``inner`` holds `allreduce`: ``where`` already reduces the
+  gradients, so a second reduce is wasted (mean) or multiplies them by N (sum), and on
+  ZeRO-1 slices it adds up different devices' slices."""
+  for fn in _functions_in(inner):
+    if getattr(fn, "jpack_reduces_over", None) is not None:
+      raise TypeError(
+          f"jpack.optax.allreduce cannot run {where}: the gradients are already reduced "
+          "there, so it would reduce them a second time (mean: wasted collectives; sum: "
+          "N times the gradient; on ZeRO-1 slices: a sum of different slices). Pass the "
+          "optimizer without it.")
 
 
 def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):

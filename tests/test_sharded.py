@@ -244,3 +244,10 @@ def test_sharded_refuses_packed_updates_of_another_layout():
   got = run_body()  # the layout sharded() plans itself: accepted
   np.testing.assert_allclose(got["a"], -1.0)
   np.testing.assert_allclose(got["b"], 100.0)
+
+
+def test_an_allreduce_inside_sharded_is_refused():
+  # On ZeRO-1 slices it would add up different devices' slices.
+  with pytest.raises(TypeError, match="allreduce cannot run inside jpack.optax.sharded"):
+    jpack.optax.sharded(optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3)),
+                        "batch")

@@ -379,3 +379,14 @@ def test_init_can_be_traced_by_eval_shape_and_jit(mode, use_pmap):
   jitted = jax.jit(dp.init)(params)
   for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(real)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded", "per_leaf"])
+def test_an_optimizer_that_reduces_again_is_refused(mode):
+  # The step reduces the gradients itself: a jpack.optax.allreduce in the optimizer
+  # would reduce them twice (with mean=False, N times the gradient).
+  params = init_cnn(jax.random.key(0))
+  for tx in (optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-2)),
+             optax.chain(jpack.optax.allreduce("batch", mean=False), optax.sgd(1e-2))):
+    with pytest.raises(TypeError, match="allreduce cannot run inside data_parallel"):
+      jpack.data_parallel(loss_fn, tx, params, mode=mode)

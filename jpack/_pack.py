@@ -97,6 +97,7 @@ def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed
     raise TypeError(f"layout must be a jpack.Layout, got {type(layout).__name__}.")
   leaves = _flatten_like(tree, layout)
   if _outside_jit(leaves):
+    _check_same_devices(leaves, layout)
     # One compiled program instead of an op per leaf (4000 leaves: first call 4.3 s ->
     # 2.6 s, later calls 100-140 ms -> 30-110 ms).
     return _fill_compiled(tuple(leaves), layout)
@@ -266,6 +267,23 @@ def _unpack_on_host(packed: Packed) -> Any:
 def _outside_jit(values: Any) -> bool:
   """No value is being traced: the call runs eagerly and may compile its own program."""
   return not any(isinstance(x, jax.core.Tracer) for x in values)
+
+
+def _check_same_devices(leaves: list[Any], layout: Layout) -> None:
+  """Leaves committed to different devices cannot be packed by one program: name two
+  of them (JAX's own error names only argument positions)."""
+  first = None
+  for slot, leaf in zip(layout.slots, leaves):
+    if isinstance(leaf, jax.Array) and leaf.committed:
+      devices = leaf.sharding.device_set
+      if first is None:
+        first = (slot.path, devices)
+      elif devices != first[1]:
+        show = lambda ds: sorted(d.id for d in ds)
+        raise ValueError(
+            f"pack: leaves are committed to different devices: {first[0]} is on devices "
+            f"{show(first[1])} and {slot.path} on {show(devices)}. Put them on the same "
+            "devices first (jax.device_put(tree, device_or_sharding)).")
 
 
 def _on_cpu(arrays: tuple[Any, ...]) -> bool:

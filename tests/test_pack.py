@@ -425,3 +425,15 @@ def test_pack_leaves_sharded_differently_over_an_explicit_mesh():
     packed = pack(placed)
     _assert_bit_identical(jpack.unpack(packed), tree)
     _assert_bit_identical(jax.jit(jpack.unpack)(packed), tree)
+
+
+def test_pack_of_leaves_committed_to_different_devices_names_their_paths():
+  d0, d1 = jax.devices()[:2]
+  tree = {"a": jax.device_put(np.ones(3, np.float32), d0),
+          "b": {"c": jax.device_put(np.ones(2, np.float32), d1)}}
+  with pytest.raises(ValueError, match=r"\['a'\] is on devices \[0\] and \['b'\]\['c'\] on \[1\]"):
+    jpack.pack(tree)
+  # An uncommitted leaf follows the committed ones, as in any jitted function.
+  mixed = {"a": tree["a"], "u": np.arange(2, dtype=np.float32)}
+  _assert_bit_identical(jpack.unpack(jpack.pack(mixed)), {"a": np.ones(3, np.float32),
+                                                          "u": np.arange(2, dtype=np.float32)})

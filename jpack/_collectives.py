@@ -23,9 +23,29 @@ AxisName = Any
 # rejects out_specs=P() for it; all_gather_invariant says what is true (every device holds
 # the same buffer) but is not re-exported by jax.lax in every version.
 try:
-  _all_gather = lax.all_gather_invariant  # type: ignore[attr-defined]
+  _all_gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
 except AttributeError:
-  from jax._src.lax.parallel import all_gather_invariant as _all_gather
+  from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+
+
+def _all_gather(x: Any, axis_name: AxisName, **kwargs: Any) -> Any:
+  """all_gather_invariant of a value varying over the axis (shard_map, pmap); a plain
+  all_gather otherwise: ``jax.vmap(axis_name=)`` has no varying/invariant types and
+  all_gather_invariant refuses to run there."""
+  if _is_varying(x, axis_name):
+    return _all_gather_invariant(x, axis_name, **kwargs)
+  return lax.all_gather(x, axis_name, **kwargs)
+
+
+def _is_varying(x: Any, axis_name: AxisName) -> bool:
+  """``x`` is typed as varying over every axis in ``axis_name`` (jax >= 0.10 keeps this in
+  ``manual_axis_type.varying``, earlier versions in ``vma``)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  varying = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  return all(name in varying for name in names)
+
 
 METHODS = ("auto", "psum", "scatter_gather")
 
@@ -367,9 +387,7 @@ def vary(tree: Any, axis_name: AxisName) -> Any:
     ``tree`` with every leaf varying over ``axis_name``.
   """
   def one(x):
-    if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
-      return x
-    return lax.pcast(x, axis_name, to="varying")
+    return x if _is_varying(x, axis_name) else lax.pcast(x, axis_name, to="varying")
 
   return jax.tree.map(one, tree)
 

@@ -393,3 +393,40 @@ def test_bad_arguments():
     _trace(lambda t: jpack.reduce_scatter(t, "batch", num_shards=3, align_bytes=4), tree)
   with pytest.raises(NameError, match="not bound"):
     jpack.psum({"w": jnp.ones(2)}, "batch")
+
+
+@pytest.mark.parametrize("method", ["auto", "psum", "scatter_gather"])
+def test_collectives_under_vmap_with_an_axis_name_equal_numpy(method):
+  # vmap(axis_name=) has no varying/invariant types: the gathers fall back to all_gather.
+  rng = np.random.default_rng(3)
+  tree = per_device_tree(rng, [((3, 5), np.float32), ((7,), jnp.bfloat16), ((2,), np.int32)])
+  tree["scalar"] = rng.normal(size=(N,)).astype(np.float32)
+  floats = {k: v for k, v in tree.items() if k != "leaf2"}
+
+  def run(fn, t):
+    out = jax.jit(jax.vmap(fn, axis_name="batch"))(t)
+    return jax.tree.map(lambda x: x[0], out)
+
+  summed = run(lambda t: jpack.psum(t, "batch", method=method, num_shards=N), tree)
+  for k, v in tree.items():
+    exact = np.asarray(v, np.float64).sum(0)
+    assert summed[k].dtype == v.dtype and summed[k].shape == exact.shape
+    # method="psum" sums a bf16 bucket in bf16: up to N roundings of the partial sums.
+    eps = 2**-8 if v.dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(np.asarray(summed[k], np.float64), exact, rtol=0,
+                               atol=N * eps * np.abs(np.asarray(v, np.float64)).sum(0).max())
+  mean = run(lambda t: jpack.pmean(t, "batch", method=method, num_shards=N), floats)
+  assert_close(mean, {k: np.asarray(v, np.float64).mean(0).astype(v.dtype)
+                      for k, v in floats.items()})
+  wire = run(lambda t: jpack.pmean(t, "batch", comm_dtype=jnp.bfloat16, method=method,
+                                   num_shards=N), floats)
+  for k, v in floats.items():
+    # bf16 rounding of the inputs, and (method="psum": summed on a bf16 wire) of the
+    # partial sums: within a bf16 ulp of the sum of magnitudes per rounding.
+    x = np.asarray(v, np.float64)
+    assert wire[k].dtype == v.dtype
+    np.testing.assert_allclose(np.asarray(wire[k], np.float64), x.mean(0), rtol=0,
+                               atol=2**-8 * np.abs(x).sum(0).max())
+  gathered = run(lambda t: jpack.unpack(jpack.all_gather(jpack.reduce_scatter(
+      t, "batch", mean=True), "batch")), floats)
+  assert_close(gathered, mean)

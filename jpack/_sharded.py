@@ -21,11 +21,12 @@ from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather
 from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
-                               _labelled, _pack_like, _refuse_inner, _refuse_reduce_in)
+                               _labelled, _LayoutState, _pack_like, _refuse_inner,
+                               _refuse_reduce_in)
 
 
 @jax.tree_util.register_pytree_node_class
-class ShardedState:
+class ShardedState(_LayoutState):
   """State of `sharded`.
 
   A pytree (not a NamedTuple) because it carries the static `Layout` of the buckets,
@@ -38,21 +39,7 @@ class ShardedState:
     layout: the static bucket `Layout` (planned with ``num_shards`` = axis size).
   """
 
-  __slots__ = ("inner_state", "layout")
-
-  def __init__(self, inner_state: Any, layout: Layout):
-    self.inner_state = inner_state
-    self.layout = layout
-
-  def tree_flatten(self):
-    return (self.inner_state,), self.layout
-
-  @classmethod
-  def tree_unflatten(cls, layout, children):
-    return cls(children[0], layout)
-
-  def __repr__(self) -> str:
-    return f"ShardedState(layout={self.layout.fingerprint}, inner_state={self.inner_state!r})"
+  __slots__ = ()
 
 
 def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: Any = None,

@@ -89,17 +89,9 @@ def _firsts(tree: Any) -> list[jax.Array]:
           if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
 
 
-@jax.tree_util.register_pytree_node_class
-class FlatState:
-  """State of `flat`.
-
-  A pytree (not a NamedTuple) because it carries the static `Layout` of the buckets:
-  updates packed with another layout are refused instead of mixing up leaves' moments.
-
-  Attributes:
-    inner_state: ``inner``'s state on the tuple of buckets.
-    layout: the static bucket `Layout` the state was initialised with.
-  """
+class _LayoutState:
+  """Pytree plumbing shared by `FlatState` and `ShardedState`: one child, the inner
+  optimizer's state; static data, the bucket `Layout`."""
 
   __slots__ = ("inner_state", "layout")
 
@@ -115,7 +107,23 @@ class FlatState:
     return cls(children[0], layout)
 
   def __repr__(self) -> str:
-    return f"FlatState(layout={self.layout.fingerprint}, inner_state={self.inner_state!r})"
+    return (f"{type(self).__name__}(layout={self.layout.fingerprint}, "
+            f"inner_state={self.inner_state!r})")
+
+
+@jax.tree_util.register_pytree_node_class
+class FlatState(_LayoutState):
+  """State of `flat`.
+
+  A pytree (not a NamedTuple) because it carries the static `Layout` of the buckets:
+  updates packed with another layout are refused instead of mixing up leaves' moments.
+
+  Attributes:
+    inner_state: ``inner``'s state on the tuple of buckets.
+    layout: the static bucket `Layout` the state was initialised with.
+  """
+
+  __slots__ = ()
 
 
 def flat(inner: Inner, *, labels: Labels = None,

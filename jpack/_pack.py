@@ -254,14 +254,23 @@ def _unpack_on_host(packed: Packed) -> Any:
   pinned = [j for j, slot in enumerate(layout.slots) if committed[slot.bucket]]
   free = [j for j, slot in enumerate(layout.slots) if not committed[slot.bucket]]
   leaves: list[Any] = [None] * layout.num_leaves
+  shardings = [_whole(b.sharding) for b in packed.buckets]
   placed = jax.device_put([views[j] for j in pinned],
-                          [packed.buckets[layout.slots[j].bucket].sharding for j in pinned])
+                          [shardings[layout.slots[j].bucket] for j in pinned])
   # jnp.asarray costs half the Python overhead per array of device_put.
   for j, x in zip(pinned + free, placed + [jnp.asarray(views[j]) for j in free]):
     leaves[j] = x
   leaves = [jax.random.wrap_key_data(x, impl=slot.dtype._impl.name)
             if _is_key_dtype(slot.dtype) else x for x, slot in zip(leaves, layout.slots)]
   return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def _whole(sharding: Any) -> Any:
+  """A bucket's sharding for a leaf of any rank: a replicated bucket on a mesh has spec
+  ``P(None,)``, which a 0-d leaf cannot take; ``P()`` says the same for every rank."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.P(), memory_kind=sharding.memory_kind)
+  return sharding
 
 
 def _outside_jit(values: Any) -> bool:

@@ -390,3 +390,24 @@ def test_an_optimizer_that_reduces_again_is_refused(mode):
              optax.chain(jpack.optax.allreduce("batch", mean=False), optax.sgd(1e-2))):
     with pytest.raises(TypeError, match="allreduce cannot run inside data_parallel"):
       jpack.data_parallel(loss_fn, tx, params, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce"])
+def test_scalar_parameters_train_and_read_back_on_the_default_mesh(mode):
+  # A replicated bucket on an Explicit mesh has spec P(None,), which a 0-d leaf cannot
+  # take: reading the params back placed each leaf with it and failed.
+  params = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3),
+            "temperature": np.float32(1.5)}
+  loss = lambda p, x: jnp.mean((x @ p["w"]) * p["temperature"]) ** 2
+  x = np.arange(32, dtype=np.float32).reshape(8, 4) / 32
+  dp = jpack.data_parallel(loss, optax.sgd(0.1), params, mode=mode)
+  state = dp.init(params)
+  for k, v in dp.params(state).items():
+    np.testing.assert_array_equal(np.asarray(v), params[k])
+  state, _ = dp.step(state, x)
+  g = jax.grad(loss)(params, x)  # one device, full batch: the reference
+  got = dp.params(state)
+  assert got["temperature"].shape == ()
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got[k]), params[k] - 0.1 * np.asarray(g[k]),
+                               rtol=1e-5, atol=1e-6)

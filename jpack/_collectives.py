@@ -186,7 +186,7 @@ def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
   if scatter and floating and np.dtype(wire).itemsize < max(np.dtype(dtype).itemsize, 4):
     # A wire narrower than the bucket, or a 16/8-bit float bucket on its own wire: keep
     # those bytes on the wire (XLA:CPU widens such collectives to f32) and sum in f32.
-    accumulate = jnp.promote_types(dtype, jnp.float32)
+    accumulate = _wider(dtype, jnp.float32)
     return _scatter_narrow(x, axis_name, n, mean=mean, wire=wire, accumulate=accumulate,
                            gather=gather)
 
@@ -200,12 +200,21 @@ def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
   else:
     y = reduce(x.astype(wire))
     if mean:
-      wide = jnp.promote_types(dtype, wire)
+      wide = _wider(dtype, wire)
       y = (y.astype(wide) / n).astype(dtype)
   y = y.astype(dtype)
   if scatter and gather:
     y = _all_gather(y, axis_name, axis=0, tiled=True)
   return y
+
+
+def _wider(a: Any, b: Any) -> np.dtype:
+  """The dtype to accumulate two floating dtypes in: their promotion, or, for fp8 types
+  (which JAX refuses to promote implicitly), the wider of the two."""
+  try:
+    return np.dtype(jnp.promote_types(a, b))
+  except jax.dtypes.TypePromotionError:
+    return np.dtype(a) if np.dtype(a).itemsize >= np.dtype(b).itemsize else np.dtype(b)
 
 
 def _floor_mean(x, n, reduce):

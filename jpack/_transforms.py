@@ -278,8 +278,12 @@ _NEEDS_WHOLE_GRADIENT = {
     "skip_large_updates", "scale_by_distance_over_gradients", "dog", "dowg", "scale_by_dowg",
     "prodigy", "scale_by_prodigy", "contrib_dadapt_adamw", "dadapt_adamw",
     "scale_by_dadapt_adam", "mechanize", "scale_by_mechanic", "cocob", "scale_by_cocob",
-    "normalize", "momo", "momo_adam", "sam",
+    "normalize", "momo", "momo_adam", "sam", "scale_by_dog", "zero_nans",
 }
+
+# Draw random numbers from a key in their state: on slices, every device would draw the
+# same numbers for its own slice (correlated noise, silently).
+_DRAWS_NOISE = {"add_noise", "noisy_sgd"}
 
 
 def _refuse_inner(inner: Any, where: str, *, slices: bool = False) -> None:
@@ -299,6 +303,11 @@ def _refuse_inner(inner: Any, where: str, *, slices: bool = False) -> None:
           f"optax.{name} cannot run {where}: it needs the whole gradient, but each device "
           "sees only a slice of each bucket, so it would silently compute something else. "
           "Use jpack.optax.clip_by_global_norm(max_norm, axis_name) for clipping, or "
+          "jpack.optax.allreduce + the replicated optimizer.")
+    if slices and optax_fn and name in _DRAWS_NOISE:
+      raise TypeError(
+          f"optax.{name} cannot run {where}: it draws noise from a key in its state, and "
+          "every device would draw the same noise for its own slice of each bucket. Use "
           "jpack.optax.allreduce + the replicated optimizer.")
     if slices and getattr(fn, "global_norm_axis_name", "") is None:
       raise TypeError(

@@ -94,6 +94,10 @@ def test_masks_and_frozen_leaves_through_labels():
     lambda: optax.inject_hyperparams(optax.lars)(learning_rate=1e-3),
     lambda: optax.chain(optax.contrib.normalize(), optax.sgd(0.1)),  # a slice's own norm
     lambda: optax.MultiSteps(optax.lamb(1e-3), 2).gradient_transformation(),
+    lambda: optax.noisy_sgd(0.1, key=0),  # every slice would draw the same noise
+    lambda: optax.chain(optax.add_noise(0.1, 0.5, key=0), optax.sgd(0.1)),
+    lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)),  # per-slice NaN flags
+    lambda: optax.contrib.dog(),  # a distance over the whole parameters
 ])
 def test_unshardable_inner_transforms_are_refused(inner):
   with pytest.raises(TypeError, match="cannot run inside jpack.optax.sharded"):

@@ -22,7 +22,7 @@ from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
                                _labelled, _LayoutState, _pack_like, _refuse_inner,
-                               _refuse_reduce_in)
+                               _refuse_reduce_in, _unpack_updates)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -121,7 +121,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     full = all_gather(Shards(tuple(new), layout), axis_name)
     if isinstance(updates, (Packed, Shards)):
       return full, ShardedState(inner_state, layout)
-    return unpack(full), ShardedState(inner_state, layout)
+    return _unpack_updates(full), ShardedState(inner_state, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

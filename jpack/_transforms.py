@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from typing import Any, Callable, Mapping, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jpack._collectives import pmean, psum
@@ -182,7 +184,7 @@ def flat(inner: Inner, *, labels: Labels = None,
     new, inner_state = _labelled(inner, layout).update(packed.buckets, state.inner_state,
                                                        flat_params)
     out = Packed(tuple(new), layout)
-    return (out if was_packed else unpack(out)), FlatState(inner_state, layout)
+    return (out if was_packed else _unpack_updates(out)), FlatState(inner_state, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -213,6 +215,24 @@ def _pack(tree: Any, labels: Labels, plan_options: Mapping[str, Any], **extra) -
   if isinstance(tree, Packed):
     return tree
   return pack(tree, plan(tree, group_fn=_group_fn_for(tree, labels), **plan_options, **extra))
+
+
+def _unpack_updates(updates: Packed) -> Any:
+  """Unpack an inner optimizer's updates, each leaf in the float dtype its bucket came
+  back in. Like optax on the tree, some optimizers return wider updates than the params
+  (adam(mu_dtype=jnp.float32) or a float32 hyperparameter on bf16 params: float32
+  updates); `optax.apply_updates` casts them back when it adds them."""
+  layout = updates.layout
+  dtypes = [np.dtype(x.dtype) for x in updates.buckets]
+  floats = lambda d, b: jnp.issubdtype(d, jnp.floating) and jnp.issubdtype(b, jnp.floating)
+  changed = [d != b.dtype for d, b in zip(dtypes, layout.buckets)]
+  if not any(changed) or not all(floats(d, b.dtype) or not c
+                                 for d, b, c in zip(dtypes, layout.buckets, changed)):
+    return unpack(updates)  # unchanged dtypes, or a change unpack will explain
+  slots = tuple(slot._replace(dtype=dtypes[slot.bucket]) for slot in layout.slots)
+  buckets = tuple(dataclasses.replace(b, dtype=d) for b, d in zip(layout.buckets, dtypes))
+  retyped = dataclasses.replace(layout, slots=slots, buckets=buckets)
+  return unpack(Packed(updates.buckets, retyped))
 
 
 def _pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:

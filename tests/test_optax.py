@@ -185,3 +185,29 @@ def test_flat_refuses_packed_updates_of_another_layout_and_takes_trees():
   want, _ = optax.adam(0.1).update(grads, optax.adam(0.1).init(params), params)
   got, _ = tx.update(jpack.pack(grads, state.layout), state, params)  # the state's layout
   assert_trees_close(jpack.unpack(got), want)
+
+
+WIDER_UPDATES = [(lambda: optax.adam(1e-2, mu_dtype=jnp.float32), True),
+                 (lambda: optax.sgd(jnp.float32(0.05)), True),
+                 # Its bf16 moments turn float32 after one update (optax's own behaviour),
+                 # so neither it nor plain optax can run in the scan of `run`.
+                 (lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2), False)]
+
+
+@pytest.mark.parametrize("make,scans", WIDER_UPDATES)
+def test_updates_wider_than_bf16_params_come_back_like_optax(make, scans):
+  # These return float32 updates for bf16 leaves (optax.apply_updates casts them back);
+  # the float32 bucket used to be refused when unpacked into the bf16 layout.
+  params = params0()
+  want, _ = make().update(params, make().init(params), params)
+  tx = jpack.optax.flat(make())
+  got, _ = tx.update(params, tx.init(params), params)
+  assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
+  assert_trees_close(got, want)
+  if not scans:
+    return
+  assert_trees_close(run(optax.chain(jpack.optax.allreduce("batch"), jpack.optax.flat(make())),
+                         20),
+                     run(make(), 20, reduce=per_leaf_pmean))
+  assert_trees_close(run(jpack.optax.sharded(make(), "batch"), 20),
+                     run(make(), 20, reduce=per_leaf_pmean))

@@ -22,7 +22,7 @@ from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
                                _labelled, _LayoutState, _pack_like, _refuse_inner,
-                               _refuse_reduce_in, _unpack_updates)
+                               _refuse_reduce_in, _retyped, _unpack_updates)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -174,10 +174,11 @@ def gather_state(state: ShardedState) -> Any:
   """The state ``inner.init(params)`` would have on the full tree, from a `ShardedState`.
 
   Call outside ``shard_map`` on the global state (each slice-shaped leaf is then a full
-  bucket, sharded over devices); the buckets are gathered to the host first, so the
-  result lives on the default device. Every tuple of buckets in the inner state becomes the
-  params-shaped tree; scalars (step counts) are kept. The result holds ordinary arrays
-  and is independent of the device count: save it with any checkpointer.
+  bucket, sharded over devices); the buckets are gathered to the host, and the result
+  holds numpy arrays (no accelerator has to hold the whole state). Every tuple of
+  buckets in the inner state becomes the params-shaped tree, in the buckets' dtype (the
+  params' dtype, or e.g. ``mu_dtype``); scalars (step counts) are kept. The result is
+  independent of the device count: save it with any checkpointer.
 
   Args:
     state: the global `ShardedState`.
@@ -199,15 +200,17 @@ def gather_state(state: ShardedState) -> Any:
       return x
     # With labels, optax.multi_transform gives each label's state MaskedNode() in place
     # of the other labels' buckets; on the full tree it has MaskedNode() for their leaves.
-    buckets = tuple(jnp.zeros(b.size, b.dtype) if _is_masked(a) else jnp.asarray(_to_host(a))
+    buckets = tuple(np.zeros(b.size, b.dtype) if _is_masked(a) else _to_host(a)
                     for a, b in zip(x, layout.buckets))
-    leaves = layout.treedef.flatten_up_to(unpack(Packed(buckets, layout)))
+    # Moments may have another float dtype than the params (adam(mu_dtype=...)).
+    leaves = layout.treedef.flatten_up_to(_unpack_updates(Packed(buckets, layout)))
     return layout.treedef.unflatten(
         optax.MaskedNode() if _is_masked(x[slot.bucket]) else leaf
         for slot, leaf in zip(layout.slots, leaves))
 
-  return jax.tree.map(convert, state.inner_state, is_leaf=lambda x: is_buckets(x) or
-                      _is_masked(x))
+  # Host arrays: a checkpoint should not need the whole state on one accelerator.
+  return jax.device_get(jax.tree.map(convert, state.inner_state,
+                                     is_leaf=lambda x: is_buckets(x) or _is_masked(x)))
 
 
 def _is_masked(x: Any) -> bool:
@@ -243,18 +246,34 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
   params_def = layout.treedef
 
   def is_params(x):
+    if params_def.num_nodes == 1:  # params are one array: a state leaf of its shape
+      return (hasattr(x, "shape") and layout.slots[0].shape != () and
+              np.shape(x) == layout.slots[0].shape)
     return (not hasattr(x, "shape") and
             jax.tree.structure(x, is_leaf=_is_masked) == params_def)
 
   def to_buckets(path, x):
     leaves = params_def.flatten_up_to(x)
     masked = [_is_masked(v) for v in leaves]
+    # A bucket's state leaves share one dtype: the params' or, for moments kept in
+    # another float dtype (adam(mu_dtype=...)), that one.
+    dtypes = [b.dtype for b in layout.buckets]
+    seen = set()
     for slot, v, m in zip(layout.slots, leaves, masked):
-      if not m and (np.shape(v) != slot.shape or jnp.result_type(v) != slot.dtype):
+      if m:
+        continue
+      got = np.dtype(jnp.result_type(v))
+      floats = jnp.issubdtype(got, jnp.floating) and jnp.issubdtype(slot.dtype, jnp.floating)
+      if slot.bucket not in seen and floats:
+        dtypes[slot.bucket] = got
+      seen.add(slot.bucket)
+      if np.shape(v) != slot.shape or got != dtypes[slot.bucket]:
         raise ValueError(
             f"Saved optimizer state at {jax.tree_util.keystr(path)}{slot.path} has shape "
-            f"{np.shape(v)} and dtype {jnp.result_type(v)}; the params there are "
-            f"{slot.shape} {slot.dtype}.")
+            f"{np.shape(v)} and dtype {got}; the params there are {slot.shape} "
+            f"{slot.dtype}" + (f" (and this state's other leaves in their bucket "
+                               f"{dtypes[slot.bucket]})" if dtypes[slot.bucket] != slot.dtype
+                               else "") + ".")
     buckets = []
     for b, bucket in enumerate(layout.buckets):
       flags = {masked[i] for i in bucket.slots}
@@ -263,9 +282,10 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
             f"Bucket {b} of the new layout mixes leaves the saved state masks and leaves it "
             "does not: plan the new run with the same labels= as the saved one.")
       buckets.append(flags == {True})
+    retyped = _retyped(layout, dtypes)
     zeros = [jnp.zeros(s.shape, s.dtype) if m else v
-             for s, v, m in zip(layout.slots, leaves, masked)]
-    packed = pack(params_def.unflatten(zeros), layout).buckets
+             for s, v, m in zip(retyped.slots, leaves, masked)]
+    packed = pack(params_def.unflatten(zeros), retyped).buckets
     return tuple(optax.MaskedNode() if m else p for p, m in zip(packed, buckets))
 
   converted = jax.tree_util.tree_map_with_path(

@@ -229,10 +229,14 @@ def _unpack_updates(updates: Packed) -> Any:
   if not any(changed) or not all(floats(d, b.dtype) or not c
                                  for d, b, c in zip(dtypes, layout.buckets, changed)):
     return unpack(updates)  # unchanged dtypes, or a change unpack will explain
+  return unpack(Packed(updates.buckets, _retyped(layout, dtypes)))
+
+
+def _retyped(layout: Layout, dtypes: list[np.dtype]) -> Layout:
+  """``layout`` with bucket i (and its leaves) of ``dtypes[i]``: same element offsets."""
   slots = tuple(slot._replace(dtype=dtypes[slot.bucket]) for slot in layout.slots)
   buckets = tuple(dataclasses.replace(b, dtype=d) for b, d in zip(layout.buckets, dtypes))
-  retyped = dataclasses.replace(layout, slots=slots, buckets=buckets)
-  return unpack(Packed(updates.buckets, retyped))
+  return dataclasses.replace(layout, slots=slots, buckets=buckets)
 
 
 def _pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:

@@ -166,17 +166,24 @@ def test_data_parallel_with_labels_equals_optax_multi_transform(mode):
   assert {b.group[1] for b in dp.layout.buckets} == {"decay", "no_decay", "frozen"}
 
 
-@pytest.mark.parametrize("labelled", [False, True])
-def test_checkpoint_is_plain_optax_state_and_resumes_on_4(labelled):
+@pytest.mark.parametrize("labelled,mu_dtype", [(False, None), (True, None),
+                                               (False, jnp.bfloat16)])
+def test_checkpoint_is_plain_optax_state_and_resumes_on_4(labelled, mu_dtype):
   """gather_state is the state plain optax has after the same steps (with labels:
-  optax.multi_transform's full-tree state); save on 8 devices, resume on 4."""
+  optax.multi_transform's full-tree state; with mu_dtype: bf16 moments of f32 params),
+  as host arrays; save on 8 devices, resume on 4."""
   mesh8 = jax.make_mesh((8,), ("batch",))
   mesh4 = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
   kw = dict(optimizer=labelled_optimizer(), labels=LABELS) if labelled else {}
+  if mu_dtype is not None:
+    kw = dict(optimizer=optax.adam(1e-2, mu_dtype=mu_dtype))
   dp8, s8 = _train(mesh8, f32_params(), **kw)
   _, ref = _train(mesh8, f32_params(), mode="per_leaf", **kw)
   tree_state = jpack.optax.gather_state(s8.opt_state)
   assert jax.tree.structure(tree_state) == jax.tree.structure(ref.opt_state)
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(tree_state))
+  assert (jax.tree.map(lambda x: x.dtype, tree_state)
+          == jax.tree.map(lambda x: x.dtype, ref.opt_state))
   assert_trees_close(tree_state, ref.opt_state, tol=1e-4)
   saved = jax.tree.map(np.asarray, tree_state)  # what a checkpointer would write
   params = dp8.params(s8)
@@ -255,3 +262,27 @@ def test_an_allreduce_inside_sharded_is_refused():
   with pytest.raises(TypeError, match="allreduce cannot run inside jpack.optax.sharded"):
     jpack.optax.sharded(optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3)),
                         "batch")
+
+
+@pytest.mark.parametrize("params", [jnp.arange(40.0), [jnp.arange(40.0)],
+                                    {"a": jnp.ones(3), "b": jnp.arange(5.0)}])
+def test_checkpoint_round_trip_when_params_are_one_array(params):
+  # With a single array as params, every array leaf of the state looked like a params
+  # tree (or none did): restoring the gathered state failed on structure.
+  tx = jpack.optax.sharded(optax.adam(1e-3), "batch")
+
+  def init_on(n):
+    mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+    shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(),
+                                          check_vma=False), params)
+    specs = jax.tree.map(lambda x: P("batch") if x.ndim else P(), shapes)
+    return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+  saved = jpack.optax.gather_state(init_on(8))
+  want = optax.adam(1e-3).init(params)
+  assert jax.tree.structure(saved) == jax.tree.structure(want)
+  saved = jax.tree.map(lambda x: x + 1, saved)  # distinct values to follow
+  restored = jpack.optax.scatter_state(saved, like=init_on(4))
+  again = jpack.optax.gather_state(restored)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(a, b)

@@ -195,9 +195,12 @@ def gather_state(state: ShardedState) -> Any:
         _is_masked(a) or (hasattr(a, "shape") and tuple(a.shape) == (s,))
         for a, s in zip(x, sizes)))
 
+  found = []
+
   def convert(x):
     if not is_buckets(x):
       return x
+    found.append(x)
     # With labels, optax.multi_transform gives each label's state MaskedNode() in place
     # of the other labels' buckets; on the full tree it has MaskedNode() for their leaves.
     buckets = tuple(np.zeros(b.size, b.dtype) if _is_masked(a) else _to_host(a)
@@ -209,8 +212,16 @@ def gather_state(state: ShardedState) -> Any:
         for slot, leaf in zip(layout.slots, leaves))
 
   # Host arrays: a checkpoint should not need the whole state on one accelerator.
-  return jax.device_get(jax.tree.map(convert, state.inner_state,
-                                     is_leaf=lambda x: is_buckets(x) or _is_masked(x)))
+  out = jax.device_get(jax.tree.map(convert, state.inner_state,
+                                    is_leaf=lambda x: is_buckets(x) or _is_masked(x)))
+  leading = {np.shape(x)[0] for x in jax.tree.leaves(state.inner_state) if np.ndim(x) == 2}
+  if not found and sizes and leading:
+    raise ValueError(
+        "gather_state found no bucket-shaped state: its leaves have a leading axis of "
+        f"size {sorted(leading)}, as in a jax.pmap state (one row per device). It needs the "
+        "global state of a shard_map step (data_parallel's default), whose leaves are "
+        "whole buckets.")
+  return out
 
 
 def _is_masked(x: Any) -> bool:
@@ -293,9 +304,15 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
       is_leaf=lambda x: is_params(x) or _is_masked(x))
   like_def = jax.tree.structure(like.inner_state)
   if jax.tree.structure(converted) != like_def:
+    got = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(converted)]
+    want = [jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_leaves_with_path(like.inner_state)]
+    first = next((f"saved {g}, expected {w}" for g, w in zip(got, want) if g != w),
+                 f"saved {len(got)} leaves, expected {len(want)}")
     raise ValueError("The saved optimizer state does not match the new optimizer's state "
-                     f"structure: got {jax.tree.structure(converted)}, expected "
-                     f"{like_def}. Was it saved from the same inner transformation?")
+                     f"structure (first difference: {first}): got "
+                     f"{jax.tree.structure(converted)}, expected {like_def}. Was it saved "
+                     "from the same inner transformation, for the same params?")
   for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(converted),
                                jax.tree.leaves(like.inner_state)):
     if np.shape(got) != tuple(want.shape) or jnp.result_type(got) != want.dtype:

@@ -286,3 +286,18 @@ def test_checkpoint_round_trip_when_params_are_one_array(params):
   again = jpack.optax.gather_state(restored)
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_errors_name_where_the_states_differ():
+  mesh = jax.make_mesh((8,), ("batch",))
+  _, state = _train(mesh, f32_params(), steps=0)
+  saved = jpack.optax.gather_state(state.opt_state)
+  _, other = _train(mesh, f32_params(), steps=0, optimizer=optax.sgd(0.1, momentum=0.9))
+  with pytest.raises(ValueError, match=r"first difference: saved \[0\]\.count, expected "
+                                       r"\[0\]\.trace"):
+    jpack.optax.scatter_state(saved, like=other.opt_state)
+  # A pmap step's state has a row per device: refused, not passed through unchanged.
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), f32_params(), mode="sharded",
+                           use_pmap=True)
+  with pytest.raises(ValueError, match="jax.pmap state"):
+    jpack.optax.gather_state(jax.device_get(dp.init(f32_params()).opt_state))

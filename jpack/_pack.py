@@ -420,7 +420,11 @@ def _moves_as_bits(dtype: Any) -> bool:
 
 
 def _bits_dtype(dtype: Any) -> np.dtype:
-  return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+  """The unsigned integer of the same bit width (uint4 for float4, which is 1 byte wide
+  in numpy's itemsize)."""
+  bits = (jnp.finfo(dtype).bits if jnp.issubdtype(dtype, jnp.floating)
+          else 8 * np.dtype(dtype).itemsize)
+  return np.dtype(jnp.uint4) if bits == 4 else np.dtype(f"uint{bits}")
 
 
 def _concatenate(pieces: tuple[Any, ...]) -> Any:

@@ -395,3 +395,16 @@ def test_numpy_int_options_give_the_same_serialisable_layout():
   assert got == want and hash(got) == hash(want)
   assert got.fingerprint == want.fingerprint and got.to_json() == want.to_json()
   assert "bucket" in repr(got) and "bucket" in got.summary()
+
+
+def test_shape_dtype_structs_are_checked_like_arrays():
+  # A float64 ShapeDtypeStruct with x64 off was planned as float64, then packed the
+  # leaf into 32 bits (JAX's silent cast); numpy-integer shapes broke repr and to_json.
+  with pytest.raises(TypeError, match=r"\['w'\] is a jax.ShapeDtypeStruct of dtype float64"):
+    jpack.plan({"w": jax.ShapeDtypeStruct((3,), np.float64)})
+  shape = (np.int64(4), np.int32(2))
+  layout = jpack.plan({"w": jax.ShapeDtypeStruct(shape, np.float32)})
+  assert layout == jpack.plan({"w": jax.ShapeDtypeStruct((4, 2), np.float32)})
+  assert type(layout.slots[0].shape[0]) is int
+  assert jpack.Layout.from_json(layout.to_json()) == layout
+  repr(layout), layout.fingerprint

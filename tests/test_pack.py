@@ -437,3 +437,19 @@ def test_pack_of_leaves_committed_to_different_devices_names_their_paths():
   mixed = {"a": tree["a"], "u": np.arange(2, dtype=np.float32)}
   _assert_bit_identical(jpack.unpack(jpack.pack(mixed)), {"a": np.ones(3, np.float32),
                                                           "u": np.arange(2, dtype=np.float32)})
+
+
+@pytest.mark.parametrize("num_leaves", [3, 160])
+def test_every_float4_value_round_trips(num_leaves):
+  # float4 is 4 bits wide but numpy's itemsize says 1 byte: it moves as uint4, not uint8.
+  f4 = np.arange(16, dtype=np.uint8).view(jnp.float4_e2m1fn)  # all 16 bit patterns
+  tree = {f"l{i}": f4 for i in range(num_leaves)}
+  tree["f32"] = np.arange(3, dtype=np.float32)
+  for pack in (jpack.pack, jax.jit(jpack.pack)):
+    packed = pack(tree)
+    for unpack in (jpack.unpack, jax.jit(jpack.unpack)):
+      got = unpack(packed)
+      for k, v in tree.items():
+        assert got[k].dtype == v.dtype
+        np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint8) & 0xF,
+                                      v.view(np.uint8) & 0xF)

@@ -439,7 +439,12 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
   """Shape and dtype of a leaf, or a TypeError naming its path."""
   kind = type(leaf)
   if kind in _ARRAY_TYPES:
-    if kind is not np.ndarray and kind is not jax.ShapeDtypeStruct:  # jax arrays
+    if kind is jax.ShapeDtypeStruct:
+      dtype = _checked_dtype(leaf.dtype, path)
+      if getattr(dtype, "itemsize", 0) >= 8:  # only 64-bit types can be narrowed
+        _check_canonical(dtype, path, "jax.ShapeDtypeStruct of dtype")
+      return tuple(map(int, leaf.shape)), dtype  # numpy-integer dims would break JSON
+    if kind is not np.ndarray:  # jax arrays: int shapes, canonical dtypes
       return leaf.shape, _checked_dtype(leaf.dtype, path)
   elif isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     if isinstance(leaf, jax.Array):
@@ -458,16 +463,19 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
         "jax/numpy arrays, Python scalars and jax.ShapeDtypeStruct. Convert it, or mark "
         "it static (e.g. keep it out of the tree or use None).")
   dtype = _checked_dtype(leaf.dtype, path)
-  if kind is np.ndarray or kind is jax.ShapeDtypeStruct or isinstance(leaf, np.generic):
-    canonical = dtype if _is_key_dtype(dtype) else jax.dtypes.canonicalize_dtype(dtype)
-    if dtype != canonical:
-      what = ("jax.ShapeDtypeStruct of dtype" if kind is jax.ShapeDtypeStruct
-              else "numpy array of dtype")
-      raise TypeError(
-          f"Leaf at {path or '<root>'} is a {what} {dtype}, which JAX would silently "
-          f"turn into {canonical} (64-bit types are disabled). Cast it explicitly, or "
-          "enable jax_enable_x64.")
+  if kind is np.ndarray or isinstance(leaf, np.generic):
+    _check_canonical(dtype, path, "numpy array of dtype")
   return tuple(map(int, leaf.shape)), dtype
+
+
+def _check_canonical(dtype: Any, path: str, what: str) -> None:
+  """TypeError if JAX would silently narrow ``dtype`` (64-bit types with x64 off)."""
+  canonical = dtype if _is_key_dtype(dtype) else jax.dtypes.canonicalize_dtype(dtype)
+  if dtype != canonical:
+    raise TypeError(
+        f"Leaf at {path or '<root>'} is a {what} {dtype}, which JAX would silently turn "
+        f"into {canonical} (64-bit types are disabled). Cast it explicitly, or enable "
+        "jax_enable_x64.")
 
 
 _CHECKED_DTYPES: dict[Any, Any] = {}

@@ -529,7 +529,12 @@ def _treedef_text(treedef: Any) -> str:
   """``str(treedef)`` without memory addresses, which differ between processes: static
   fields of custom nodes (an equinox module's activation function, say) print as
   ``<function relu at 0x7f...>``."""
-  return re.sub(r" at 0x[0-9a-fA-F]+", "", str(treedef))
+  text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(treedef))
+  # Sets print in hash order, which for strings changes with PYTHONHASHSEED: sort the
+  # elements of flat set reprs (no nested braces or dict colons).
+  return re.sub(r"(frozenset\(|(?<=[\s(\[,=]))\{([^{}:]*)\}",
+                lambda m: m.group(1) + "{" + ", ".join(sorted(m.group(2).split(", "))) + "}",
+                text)
 
 
 def _structure_to_json(treedef: Any) -> Any:

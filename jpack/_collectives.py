@@ -1,6 +1,7 @@
 """Collectives on packed buckets: one collective per bucket instead of one per leaf.
 
-All functions run inside `jax.shard_map` (or `jax.pmap`) over a named mesh axis. Each
+All functions run inside `jax.shard_map` (or `jax.pmap`, or `jax.vmap` with an
+``axis_name``) over a named axis. Each
 accepts a tree (packed here, unpacked on return) or a `Packed` (used as is, returned
 packed), so persistent packed training pays no packing at all.
 """
@@ -443,8 +444,8 @@ def _axis_size(axis_name: AxisName) -> int:
     return int(lax.axis_size(axis_name))
   except NameError as e:
     raise NameError(f"Axis {axis_name!r} is not bound: jpack collectives run inside "
-                    "jax.shard_map(..., mesh=...) or jax.pmap(..., axis_name=...) over "
-                    "that axis.") from e
+                    "jax.shard_map(..., mesh=...), jax.pmap(..., axis_name=...) or "
+                    "jax.vmap(..., axis_name=...) over that axis.") from e
 
 
 def _to_packed(tree, layout, plan_options, *, num_shards):

@@ -115,9 +115,9 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       carries a leading device axis; ``step`` still takes the global batch and adds
       the device axis itself). shard_map is faster and preferred.
     has_aux: ``loss_fn`` returns ``(loss, aux)``, as with ``jax.value_and_grad``;
-      ``aux`` (a tree of arrays, e.g. accuracy) is averaged over the devices like the
-      loss (integers become floats, as with ``lax.pmean``) and returned as
-      ``metrics["aux"]``.
+      ``aux`` (a tree of arrays or Python scalars, e.g. accuracy) is averaged over the
+      devices like the loss and returned as ``metrics["aux"]``; integers and bools are
+      averaged as float32 (a mean taken in uint8 would wrap), PRNG keys are refused.
     slice_offsets: how the step slices leaves out of buckets (the reduced gradients in
       ``"allreduce"`` mode, the packed params in ``"packed"`` and ``"sharded"``).
       ``"static"`` (default): offsets are constants of the compiled step; its slices
@@ -203,7 +203,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     # inserted by shard_map's autodiff) until jpack reduces them in buckets.
     value, grads = jax.value_and_grad(loss_of, has_aux=has_aux)(vary(state.params, axis_name))
     loss, aux = value if has_aux else (value, None)
-    loss, aux = lax.pmean((loss, aux), axis_name)
+    loss, aux = lax.pmean((loss, _aux_to_mean(aux)), axis_name)
     if mode == "sharded":
       shards = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
       grad_norm = jnp.sqrt(lax.psum(_sum_of_squares(shards.buckets), axis_name))
@@ -248,6 +248,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   bounded = _in_flight_bound(mesh)
 
   def step(state, batch):
+    _check_not_donated(state)
     return bounded(step_sm(state, _place_batch(batch, batch_sharding, axis_name)))
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
@@ -347,10 +348,35 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
                     P(), jax.tree.map(lambda _: P(), state_shapes.offsets))
 
 
+def _check_not_donated(state: Any) -> None:
+  """A state already passed to ``step`` was donated to it: on several CPU devices,
+  jax 0.10.2 kills the process (segfault) when a deleted buffer is donated again."""
+  for leaf in jax.tree.leaves(state)[:1]:
+    if (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+        and leaf.is_deleted()):
+      raise RuntimeError(
+          "This TrainState was already passed to step(), which donates its buffers (they "
+          "are reused for the new state). Use the state step() returned: state, metrics = "
+          "dp.step(state, batch).")
+
+
+def _aux_to_mean(aux: Any) -> Any:
+  """``aux`` ready for ``lax.pmean``: Python scalars become arrays, and integers and bools
+  float32 (a mean in uint8 would wrap: eight 200s sum to 64), as documented."""
+  def one(path, x):
+    x = jnp.asarray(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      raise TypeError(f"aux at {jax.tree_util.keystr(path) or '<root>'} is a PRNG key "
+                      "array: metrics are averaged over the devices, keys cannot be. "
+                      "Return it elsewhere.")
+    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+  return jax.tree_util.tree_map_with_path(one, aux)
+
+
 def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
   devices = list(mesh.devices.flat)
   init_p = jax.pmap(local_init, axis_name=axis_name, devices=devices)
-  step_p = jax.pmap(local_step, axis_name=axis_name, devices=devices)
+  step_p = jax.pmap(local_step, axis_name=axis_name, devices=devices, donate_argnums=0)
 
   def init(params):
     assert_same_layout(layout)
@@ -364,11 +390,14 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
 
   def split(path, x):
     _check_splits(path, np.shape(x), n, axis_name)
+    if isinstance(x, jax.Array):  # PRNG key arrays have no numpy form
+      return x.reshape((n, -1) + x.shape[1:])
     return np.reshape(np.asarray(x), (n, -1) + np.shape(x)[1:])
 
   bounded = _in_flight_bound(mesh)
 
   def step(state, batch):
+    _check_not_donated(state)
     batch = jax.tree_util.tree_map_with_path(split, batch)
     state, metrics = bounded(step_p(state, batch))
     return state, jax.tree.map(lambda m: m[0], metrics)

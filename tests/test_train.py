@@ -411,3 +411,36 @@ def test_scalar_parameters_train_and_read_back_on_the_default_mesh(mode):
   for k in params:
     np.testing.assert_allclose(np.asarray(got[k]), params[k] - 0.1 * np.asarray(g[k]),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_pmap", [False, True])
+@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce", "per_leaf"])
+def test_aux_metrics_are_true_means_and_used_states_are_refused(mode, use_pmap):
+  params = {"w": np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2)}
+  x = np.arange(32, dtype=np.float32).reshape(8, 4) / 32
+
+  def loss(p, batch):
+    x, keys = batch
+    noise = jax.vmap(lambda k: jax.random.uniform(k))(keys)  # keys in the batch
+    value = jnp.mean((x @ p["w"]) ** 2) + 0 * noise.sum()
+    # A Python scalar, and a uint8 whose sum over 8 devices would wrap (8 * 200).
+    return value, {"lr": 0.5, "u8": jnp.uint8(200), "n": x.shape[0]}
+
+  dp = jpack.data_parallel(loss, optax.sgd(0.1), params, mode=mode, has_aux=True,
+                           use_pmap=use_pmap)
+  state = dp.init(params)
+  new, metrics = dp.step(state, (x, jax.random.split(jax.random.key(0), 8)))
+  assert float(metrics["aux"]["lr"]) == 0.5 and float(metrics["aux"]["u8"]) == 200.0
+  assert float(metrics["aux"]["n"]) == 1.0  # one row per device
+  # `state` was donated to the step: reusing it is a clear error, not a crash.
+  with pytest.raises(RuntimeError, match="already passed to step"):
+    dp.step(state, (x, jax.random.split(jax.random.key(0), 8)))
+  dp.step(new, (x, jax.random.split(jax.random.key(1), 8)))
+
+
+def test_a_prng_key_in_aux_is_refused_with_its_path():
+  params = {"w": np.ones((4, 2), np.float32)}
+  loss = lambda p, x: (jnp.mean(x @ p["w"]), {"key": jax.random.key(0)})
+  dp = jpack.data_parallel(loss, optax.sgd(0.1), params, has_aux=True)
+  with pytest.raises(TypeError, match=r"aux at \['key'\] is a PRNG key"):
+    dp.step(dp.init(params), np.ones((8, 4), np.float32))

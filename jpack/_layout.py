@@ -13,6 +13,7 @@ import hashlib
 import html
 import json
 import math
+import operator
 import re
 from typing import Any, Callable, Hashable, NamedTuple
 
@@ -443,7 +444,14 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
       dtype = _checked_dtype(leaf.dtype, path)
       if getattr(dtype, "itemsize", 0) >= 8:  # only 64-bit types can be narrowed
         _check_canonical(dtype, path, "jax.ShapeDtypeStruct of dtype")
-      return tuple(map(int, leaf.shape)), dtype  # numpy-integer dims would break JSON
+      try:  # numpy-integer dims would break JSON; 2.5 or -1 are not dims
+        shape = tuple(map(operator.index, leaf.shape))
+      except TypeError:
+        shape = (-1,)
+      if shape and min(shape) < 0:
+        raise ValueError(f"Leaf at {path or '<root>'} is a jax.ShapeDtypeStruct of shape "
+                         f"{leaf.shape}: dimensions must be non-negative integers.")
+      return shape, dtype
     if kind is not np.ndarray:  # jax arrays: int shapes, canonical dtypes
       return leaf.shape, _checked_dtype(leaf.dtype, path)
   elif isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jpack._collectives import (all_gather, assert_same_layout, broadcast, pmean,
                                 reduce_scatter, shard, vary)
 from jpack._layout import Layout, _dtype_name, plan
-from jpack._pack import Packed, _unpack_at, pack, unpack
+from jpack._pack import Packed, _flatten_like, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
 from jpack._transforms import (Labels, _after, _check_inner, _firsts, _group_fn_for,
                                _refuse_inner, _refuse_reduce_in, flat)
@@ -149,6 +149,10 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   if mode == "packed":
     _refuse_inner(optimizer, "on the packed params of data_parallel(mode='packed') (use "
                   "mode='allreduce' for it)")
+  if "group_fn" in plan_options:
+    raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
+                    "label itself (pass labels= with a dict of optimizers, or a plain "
+                    "optimizer).")
   n = mesh.shape[axis_name]
   layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
                 **{"num_shards": n, **plan_options})
@@ -241,6 +245,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   def init(params):
     assert_same_layout(layout)
+    _flatten_like(params, layout)  # before device_put would make float64 leaves float32
     return init_sm(jax.tree.map(lambda x: _replicate(x, replicated), params))
 
   batch_sharding = NamedSharding(mesh, P(axis_name))
@@ -380,6 +385,7 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
 
   def init(params):
     assert_same_layout(layout)
+    _flatten_like(params, layout)
     def stack(x):  # a tracer when init itself is traced (jax.eval_shape, jit)
       if isinstance(x, jax.core.Tracer):
         return jnp.broadcast_to(x, (n,) + x.shape)

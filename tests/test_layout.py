@@ -414,3 +414,6 @@ def test_shape_dtype_structs_are_checked_like_arrays():
   assert type(layout.slots[0].shape[0]) is int
   assert jpack.Layout.from_json(layout.to_json()) == layout
   repr(layout), layout.fingerprint
+  for bad in [(3, -1), (2.5,)]:
+    with pytest.raises(ValueError, match=r"\['w'\] is a jax.ShapeDtypeStruct of shape"):
+      jpack.plan({"w": jax.ShapeDtypeStruct(bad, np.float32)})

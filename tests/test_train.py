@@ -444,3 +444,14 @@ def test_a_prng_key_in_aux_is_refused_with_its_path():
   dp = jpack.data_parallel(loss, optax.sgd(0.1), params, has_aux=True)
   with pytest.raises(TypeError, match=r"aux at \['key'\] is a PRNG key"):
     dp.step(dp.init(params), np.ones((8, 4), np.float32))
+
+
+def test_init_checks_params_against_the_layout_and_group_fn_is_refused():
+  params = {"w": np.ones((4, 2), np.float32), "b": np.zeros(2, np.float32)}
+  loss = lambda p, x: jnp.mean(x @ p["w"] + p["b"])
+  dp = jpack.data_parallel(loss, optax.sgd(0.1), params)
+  # device_put would have made a float64 numpy leaf float32 silently.
+  with pytest.raises(TypeError, match=r"\['b'\] has dtype float64"):
+    dp.init({"w": params["w"], "b": np.zeros(2, np.float64)})
+  with pytest.raises(TypeError, match="labels=, not group_fn="):
+    jpack.data_parallel(loss, optax.sgd(0.1), params, group_fn=lambda p, x: "a")

@@ -148,8 +148,13 @@ def _cmd_layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     doc = json.loads(path.read_text())
     import jax
 
-    shapes = {leaf["path"]: jax.ShapeDtypeStruct(tuple(leaf["shape"]), leaf["dtype"])
-              for leaf in doc["leaves"]}
+    shapes = {}
+    for leaf in doc["leaves"]:
+      key = leaf["path"]
+      if not isinstance(key, str) or key in shapes:
+        why = "repeated" if key in shapes else "not a string"
+        raise ValueError(f"leaf path {key!r} is {why}")
+      shapes[key] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), leaf["dtype"])
   except (ValueError, KeyError, TypeError) as e:
     parser.error(f"{path} is not a workload file ({{'leaves': [{{'path', 'shape', "
                  f"'dtype'}}, ...]}}): {e}")
@@ -158,7 +163,10 @@ def _cmd_layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
   options = {"num_shards": args.num_shards}
   if args.bucket_mib is not None:
     options["bucket_bytes"] = max(1, int(args.bucket_mib * 2**20))
-  layout = jpack.plan(shapes, **options)
+  try:
+    layout = jpack.plan(shapes, **options)
+  except (ValueError, TypeError) as e:  # a shape or dtype jpack refuses, with its path
+    parser.error(f"{path}: {e}")
   print(f"{doc.get('name', path.stem)}:")
   print(layout.summary(leaves=args.leaves))
   return 0

@@ -107,6 +107,22 @@ def test_layout_command(capsys):
   assert "Layout " in text and "bucket" in text and "float32" in text
 
 
+@pytest.mark.parametrize("leaves,message", [
+    ([{"path": "a", "shape": [3], "dtype": "float32"},
+      {"path": "a", "shape": [2], "dtype": "float32"}], "leaf path 'a' is repeated"),
+    ([{"path": "a", "shape": [-3], "dtype": "float32"}], "non-negative integers"),
+    ([{"path": "a", "shape": [2.5], "dtype": "float32"}], "non-negative integers"),
+    ([{"path": "a", "shape": [3], "dtype": "float64"}], "64-bit types are disabled"),
+])
+def test_layout_of_a_bad_workload_file_is_a_clear_error(tmp_path, capsys, leaves, message):
+  path = tmp_path / "bad.json"
+  path.write_text(json.dumps({"leaves": leaves}))
+  with pytest.raises(SystemExit):
+    cli.main(["layout", str(path)])
+  err = capsys.readouterr().err
+  assert message in err and "Traceback" not in err
+
+
 def test_missing_demo_extra_says_what_to_install(monkeypatch, capsys):
   monkeypatch.setitem(sys.modules, "sklearn", None)
   monkeypatch.setitem(sys.modules, "sklearn.datasets", None)

@@ -294,8 +294,9 @@ def _check_trainable(layout: Layout) -> None:
 def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:
   """Split each batch leaf's leading dimension over the axis, unless it already is.
 
-  Host values (numpy, Python) and arrays on other devices are this process's rows of
-  the global batch; in a single process that is the whole batch.
+  Host values (numpy arrays; a nested Python list is a tree of scalars, not an array)
+  and arrays on other devices are this process's rows of the global batch; in a single
+  process that is the whole batch.
   """
   def place(path, x):
     if isinstance(x, jax.core.Tracer):  # the step is being traced by an outer jit

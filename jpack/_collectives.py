@@ -8,6 +8,7 @@ packed), so persistent packed training pays no packing at all.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -188,8 +189,7 @@ def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
     # A wire narrower than the bucket, or a 16/8-bit float bucket on its own wire: keep
     # those bytes on the wire (XLA:CPU widens such collectives to f32) and sum in f32.
     accumulate = _wider(dtype, jnp.float32)
-    return _scatter_narrow(x, axis_name, n, mean=mean, wire=wire, accumulate=accumulate,
-                           gather=gather)
+    return _scatter_narrow_diff(x, axis_name, n, mean, np.dtype(wire), accumulate, gather)
 
   def reduce(v):
     if scatter:
@@ -259,6 +259,24 @@ def _scatter_narrow(x, axis_name, n, *, mean, wire, accumulate, gather):
   return lax.bitcast_convert_type(y, wire).astype(dtype)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _scatter_narrow_diff(x, axis_name, n, mean, wire, accumulate, gather):
+  """`_scatter_narrow`, differentiable: its values travel as integer bits, through which
+  no derivative flows, so the tangent takes the same reduction in linear primitives."""
+  return _scatter_narrow(x, axis_name, n, mean=mean, wire=wire, accumulate=accumulate,
+                         gather=gather)
+
+
+@_scatter_narrow_diff.defjvp
+def _scatter_narrow_jvp(axis_name, n, mean, wire, accumulate, gather, primals, tangents):
+  (x,), (t,) = primals, tangents
+  y = _scatter_narrow_diff(x, axis_name, n, mean, wire, accumulate, gather)
+  dy = lax.psum_scatter(t.astype(wire).astype(accumulate), axis_name, scatter_dimension=0,
+                        tiled=True)
+  dy = (dy / n if mean else dy).astype(x.dtype)
+  return y, (_all_gather(dy, axis_name, axis=0, tiled=True) if gather else dy)
+
+
 # -- broadcast -------------------------------------------------------------------------
 
 
@@ -290,8 +308,7 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
     return lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name)
 
   def send_float(x):
-    return lax.bitcast_convert_type(send(lax.bitcast_convert_type(x, _bits_dtype(x.dtype))),
-                                    x.dtype)
+    return _send_bits(x, axis_name, root)
 
   out = []
   for x in packed.buckets:
@@ -305,6 +322,24 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
       out.append(send(x))
   result = Packed(tuple(out), packed.layout)
   return result if was_packed else unpack(result)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _send_bits(x, axis_name, root):
+  """root's floats on every device, bit-exact (as integers, so -0.0 and NaN payloads
+  survive); differentiable like the float sum it stands for."""
+  bits = lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+  is_root = lax.axis_index(axis_name) == root
+  return lax.bitcast_convert_type(
+      lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name), x.dtype)
+
+
+@_send_bits.defjvp
+def _send_bits_jvp(axis_name, root, primals, tangents):
+  (x,), (t,) = primals, tangents
+  is_root = lax.axis_index(axis_name) == root
+  return _send_bits(x, axis_name, root), lax.psum(jnp.where(is_root, t, jnp.zeros_like(t)),
+                                                  axis_name)
 
 
 # -- reduce-scatter / all-gather -------------------------------------------------------

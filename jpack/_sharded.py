@@ -131,11 +131,14 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
 
   With ``axis_name``, the norm is ``sqrt(psum(local sum of squares))`` over the axis:
   the norm of the whole gradient when each device holds a disjoint slice (inside
-  `sharded`). Without it, identical to `optax.clip_by_global_norm`.
+  `sharded`). Without it, identical to `optax.clip_by_global_norm`: use that after
+  `jpack.optax.allreduce` (or anywhere every device holds the whole gradient), where
+  an ``axis_name`` would count each value N times and clip by sqrt(N) times the norm.
 
   Args:
     max_norm: the largest global norm allowed.
-    axis_name: the axis the gradient is sharded over, or None.
+    axis_name: the axis the gradient is sharded over (inside `sharded`), or None for
+      a gradient every device holds whole.
 
   Returns:
     A stateless `optax.GradientTransformation`.

@@ -21,7 +21,8 @@ Inner = Union[optax.GradientTransformation, Mapping[str, optax.GradientTransform
 
 
 def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
-              method: str = "auto", **plan_options: Any) -> optax.GradientTransformation:
+              method: str = "auto", allow_int: bool = False,
+              **plan_options: Any) -> optax.GradientTransformation:
   """All-reduce the incoming updates over ``axis_name``, packed into a few buckets.
 
   Stateless; put it first in a chain, inside `jax.shard_map` or `jax.pmap`:
@@ -33,6 +34,8 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     mean: average (`jpack.pmean`) rather than sum (`jpack.psum`).
     comm_dtype: wire dtype of floating buckets (see `jpack.psum`).
     method: collective per bucket, see `jpack.psum`.
+    allow_int: with ``mean=True``, average integer leaves as the floor of the exact mean
+      (see `jpack.pmean`) instead of refusing them; sums of integers are always exact.
     **plan_options: options for `jpack.plan`.
 
   Returns:
@@ -50,7 +53,9 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
 
   def update_fn(updates, state, params=None):
     del params
-    options = {} if isinstance(updates, Packed) else plan_options
+    options = {} if isinstance(updates, Packed) else dict(plan_options)
+    if mean:
+      options["allow_int"] = allow_int
     return reduce(updates, axis_name, comm_dtype=comm_dtype, method=method,
                   **options), state
 
@@ -259,7 +264,14 @@ def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformation:
   bucket_labels = tuple(b.group[1] for b in layout.buckets)
   missing = sorted({str(x) for x in bucket_labels} - {str(k) for k in inner})
   if missing:
-    raise ValueError(f"labels {missing} have no transformation; inner has {sorted(inner)}.")
+    hint = ""
+    if any(x is None for x in bucket_labels):
+      hint = (" Buckets labelled None come from a layout planned without a group_fn: a "
+              "Packed carries its own layout, so plan it with the labels (e.g. "
+              "jpack.plan(params, group_fn=lambda path, leaf: label_of[path])), or pass "
+              "the params as a tree with labels=.")
+    raise ValueError(f"labels {missing} have no transformation; inner has "
+                     f"{sorted(inner)}.{hint}")
   transforms = {str(k): v for k, v in inner.items()}
   return optax.multi_transform(transforms, lambda buckets: tuple(str(x) for x in bucket_labels))
 

@@ -211,3 +211,29 @@ def test_updates_wider_than_bf16_params_come_back_like_optax(make, scans):
                      run(make(), 20, reduce=per_leaf_pmean))
   assert_trees_close(run(jpack.optax.sharded(make(), "batch"), 20),
                      run(make(), 20, reduce=per_leaf_pmean))
+
+
+def test_allreduce_allow_int_on_trees_and_packed():
+  # allow_int used to reach only the tree path (through **plan_options): a Packed was
+  # refused, and mean=False passed it on to plan(), which has no such option.
+  mesh = jax.make_mesh((N,), ("batch",))
+  counts = np.arange(N * 3, dtype=np.int32).reshape(N, 3) * 7
+  w = np.arange(N * 2, dtype=np.float32).reshape(N, 2)
+  tree = jax.device_put({"c": counts, "w": w}, NamedSharding(mesh, P("batch")))
+  layout = jpack.plan({"c": counts[0], "w": w[0]}, num_shards=N)
+
+  def body(t, packed, mean):
+    t = jax.tree.map(lambda x: x[0], t)
+    tx = jpack.optax.allreduce("batch", mean=mean, allow_int=True)
+    u_tree, _ = tx.update(t, tx.init(None))
+    u_packed, _ = tx.update(jpack.pack(t, layout) if packed else t, tx.init(None))
+    return u_tree, (jpack.unpack(u_packed) if packed else u_packed)
+
+  for mean in (True, False):
+    want_c = counts.sum(0) // N if mean else counts.sum(0)
+    want_w = w.mean(0) if mean else w.sum(0)
+    got = jax.jit(jax.shard_map(lambda t: body(t, True, mean), mesh=mesh,
+                                in_specs=P("batch"), out_specs=P()))(tree)
+    for u in got:
+      np.testing.assert_array_equal(np.asarray(u["c"]), want_c)
+      np.testing.assert_allclose(np.asarray(u["w"]), want_w, rtol=1e-6)

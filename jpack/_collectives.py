@@ -302,14 +302,8 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
   if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
     raise ValueError(f"root must be an int in [0, {n}) for axis {axis_name!r}, got {root!r}.")
   packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=1)
-  is_root = lax.axis_index(axis_name) == root
-
-  def send(bits):  # an integer sum in which only root contributes
-    return lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name)
-
-  def send_float(x):
-    return _send_bits(x, axis_name, root)
-
+  send = lambda bits: _root_only_sum(bits, axis_name, root)
+  send_float = lambda x: _send_bits(x, axis_name, root)
   out = []
   for x in packed.buckets:
     if x.dtype == jnp.bool_:
@@ -324,22 +318,24 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
   return result if was_packed else unpack(result)
 
 
+def _root_only_sum(x, axis_name, root):
+  """A sum in which only ``root`` contributes: root's values on every device."""
+  is_root = lax.axis_index(axis_name) == root
+  return lax.psum(jnp.where(is_root, x, jnp.zeros_like(x)), axis_name)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _send_bits(x, axis_name, root):
   """root's floats on every device, bit-exact (as integers, so -0.0 and NaN payloads
   survive); differentiable like the float sum it stands for."""
   bits = lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
-  is_root = lax.axis_index(axis_name) == root
-  return lax.bitcast_convert_type(
-      lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name), x.dtype)
+  return lax.bitcast_convert_type(_root_only_sum(bits, axis_name, root), x.dtype)
 
 
 @_send_bits.defjvp
 def _send_bits_jvp(axis_name, root, primals, tangents):
   (x,), (t,) = primals, tangents
-  is_root = lax.axis_index(axis_name) == root
-  return _send_bits(x, axis_name, root), lax.psum(jnp.where(is_root, t, jnp.zeros_like(t)),
-                                                  axis_name)
+  return _send_bits(x, axis_name, root), _root_only_sum(t, axis_name, root)
 
 
 # -- reduce-scatter / all-gather -------------------------------------------------------

@@ -446,9 +446,10 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
         _check_canonical(dtype, path, "jax.ShapeDtypeStruct of dtype")
       try:  # numpy-integer dims would break JSON; 2.5 or -1 are not dims
         shape = tuple(map(operator.index, leaf.shape))
+        valid = min(shape, default=0) >= 0
       except TypeError:
-        shape = (-1,)
-      if shape and min(shape) < 0:
+        valid = False
+      if not valid:
         raise ValueError(f"Leaf at {path or '<root>'} is a jax.ShapeDtypeStruct of shape "
                          f"{leaf.shape}: dimensions must be non-negative integers.")
       return shape, dtype

@@ -22,7 +22,7 @@ from jpack._layout import Layout, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
                                _labelled, _LayoutState, _pack_like, _refuse_inner,
-                               _refuse_reduce_in, _retyped, _unpack_updates)
+                               _refuse_reduce_in, _retyped, _unpack_as_returned)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -121,7 +121,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     full = all_gather(Shards(tuple(new), layout), axis_name)
     if isinstance(updates, (Packed, Shards)):
       return full, ShardedState(inner_state, layout)
-    return _unpack_updates(full), ShardedState(inner_state, layout)
+    return _unpack_as_returned(full), ShardedState(inner_state, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -209,7 +209,7 @@ def gather_state(state: ShardedState) -> Any:
     buckets = tuple(np.zeros(b.size, b.dtype) if _is_masked(a) else _to_host(a)
                     for a, b in zip(x, layout.buckets))
     # Moments may have another float dtype than the params (adam(mu_dtype=...)).
-    leaves = layout.treedef.flatten_up_to(_unpack_updates(Packed(buckets, layout)))
+    leaves = layout.treedef.flatten_up_to(_unpack_as_returned(Packed(buckets, layout)))
     return layout.treedef.unflatten(
         optax.MaskedNode() if _is_masked(x[slot.bucket]) else leaf
         for slot, leaf in zip(layout.slots, leaves))
@@ -217,8 +217,9 @@ def gather_state(state: ShardedState) -> Any:
   # Host arrays: a checkpoint should not need the whole state on one accelerator.
   out = jax.device_get(jax.tree.map(convert, state.inner_state,
                                     is_leaf=lambda x: is_buckets(x) or _is_masked(x)))
-  leading = {np.shape(x)[0] for x in jax.tree.leaves(state.inner_state) if np.ndim(x) == 2}
-  if not found and sizes and leading:
+  leading = (set() if found or not sizes else
+             {np.shape(x)[0] for x in jax.tree.leaves(state.inner_state) if np.ndim(x) == 2})
+  if leading:
     raise ValueError(
         "gather_state found no bucket-shaped state: its leaves have a leading axis of "
         f"size {sorted(leading)}, as in a jax.pmap state (one row per device). It needs the "

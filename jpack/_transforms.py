@@ -189,7 +189,7 @@ def flat(inner: Inner, *, labels: Labels = None,
     new, inner_state = _labelled(inner, layout).update(packed.buckets, state.inner_state,
                                                        flat_params)
     out = Packed(tuple(new), layout)
-    return (out if was_packed else _unpack_updates(out)), FlatState(inner_state, layout)
+    return (out if was_packed else _unpack_as_returned(out)), FlatState(inner_state, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -222,19 +222,19 @@ def _pack(tree: Any, labels: Labels, plan_options: Mapping[str, Any], **extra) -
   return pack(tree, plan(tree, group_fn=_group_fn_for(tree, labels), **plan_options, **extra))
 
 
-def _unpack_updates(updates: Packed) -> Any:
-  """Unpack an inner optimizer's updates, each leaf in the float dtype its bucket came
-  back in. Like optax on the tree, some optimizers return wider updates than the params
+def _unpack_as_returned(packed: Packed) -> Any:
+  """Unpack buckets an inner optimizer returned, each leaf in its bucket's float dtype.
+  Like optax on the tree, some optimizers return wider updates than the params
   (adam(mu_dtype=jnp.float32) or a float32 hyperparameter on bf16 params: float32
-  updates); `optax.apply_updates` casts them back when it adds them."""
-  layout = updates.layout
-  dtypes = [np.dtype(x.dtype) for x in updates.buckets]
-  floats = lambda d, b: jnp.issubdtype(d, jnp.floating) and jnp.issubdtype(b, jnp.floating)
-  changed = [d != b.dtype for d, b in zip(dtypes, layout.buckets)]
-  if not any(changed) or not all(floats(d, b.dtype) or not c
-                                 for d, b, c in zip(dtypes, layout.buckets, changed)):
-    return unpack(updates)  # unchanged dtypes, or a change unpack will explain
-  return unpack(Packed(updates.buckets, _retyped(layout, dtypes)))
+  updates; `optax.apply_updates` casts them back), and moments may be kept in another
+  dtype. Any other dtype change is left for `unpack` to explain."""
+  layout = packed.layout
+  dtypes = [np.dtype(x.dtype) for x in packed.buckets]
+  changed = [(d, b.dtype) for d, b in zip(dtypes, layout.buckets) if d != b.dtype]
+  if changed and all(jnp.issubdtype(d, jnp.floating) and jnp.issubdtype(b, jnp.floating)
+                     for d, b in changed):
+    layout = _retyped(layout, dtypes)
+  return unpack(Packed(packed.buckets, layout))
 
 
 def _retyped(layout: Layout, dtypes: list[np.dtype]) -> Layout:

@@ -62,11 +62,11 @@ VARIANTS = {
 }
 GOAL_VARIANTS = ("jpack_psum", "jpack_sg", "jpack_packed")
 # Above --slow-leaves leaves only these run by default: every jpack variant (and ravel's
-# unravel) returns N slices, and XLA:CPU compiles one kernel per output slice (~90 s or
+# unravel) returns N slices, and XLA:CPU compiles one kernel per output slice (~30 s or
 # more at 4000 leaves). --all-variants runs everything.
 SLOW_VARIANTS = ("per_leaf", "jpack_sg", "jpack_packed", "floor")
-# Left out of the default run (its per-leaf pmean alone compiles ~90 s, jpack's unpack of
-# 4000 slices several minutes): --full, or name it in --workloads.
+# Left out of the default run (its per-leaf pmean alone compiles ~26 s, jpack's tree pmean
+# ~49 s on the EPYC host): --full, or name it in --workloads.
 FULL_ONLY = ("many_small_4000",)
 
 

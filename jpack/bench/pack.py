@@ -11,7 +11,7 @@ plus ``jpack.plan`` (pure Python). Every function is compiled ahead of time
 (``jax.jit(f).lower(...).compile()``, lowering and compilation timed separately) and timed
 on its own with materialized outputs: XLA cancels ``unpack(pack(x))`` inside one jit.
 
-    python -m jpack.bench pack                       # everything (unpack of 4000 leaves: 90 s+ compile)
+    python -m jpack.bench pack                       # everything (unpack of 4000 leaves: ~30 s compile)
     python -m jpack.bench pack --skip-slow           # skip unpack/unravel above 1000 leaves
     python -m jpack.bench pack --quick               # subsets of <= 300 leaves (~2 min)
     python -m jpack.bench pack --workloads resnet50,many_small_4000 --markdown pack.md
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="keep at most this many elements per workload")
   parser.add_argument("--skip-slow", action="store_true",
                       help="skip unpack and unravel (one XLA:CPU kernel per output slice: "
-                           "~90 s compile at 4000 leaves) for workloads with more than "
+                           "~30 s compile at 4000 leaves) for workloads with more than "
                            "--slow-leaves leaves")
   parser.add_argument("--slow-leaves", type=int, default=1000,
                       help="leaf count above which --skip-slow applies (default 1000)")

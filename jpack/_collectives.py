@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jpack._layout import Layout, _dtype_name, _is_key_dtype
+from jpack._layout import Layout, _check_plan_options, _dtype_name, _is_key_dtype
 from jpack._pack import Packed, _Buckets, _bits_dtype, pack, unpack
 
 AxisName = Any
@@ -40,13 +40,18 @@ def _all_gather(x: Any, axis_name: AxisName, **kwargs: Any) -> Any:
 
 
 def _is_varying(x: Any, axis_name: AxisName) -> bool:
-  """``x`` is typed as varying over every axis in ``axis_name`` (jax >= 0.10 keeps this in
-  ``manual_axis_type.varying``, earlier versions in ``vma``)."""
+  """``x`` is typed as varying over every axis in ``axis_name``."""
+  return not _not_varying(x, axis_name)
+
+
+def _not_varying(x: Any, axis_name: AxisName) -> tuple[Any, ...]:
+  """The axes of ``axis_name`` that ``x`` is not typed as varying over (jax >= 0.10 keeps
+  the varying axes in ``manual_axis_type.varying``, earlier versions in ``vma``)."""
   aval = jax.typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
   varying = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  return all(name in varying for name in names)
+  return tuple(name for name in names if name not in varying)
 
 
 METHODS = ("auto", "psum", "scatter_gather")
@@ -158,9 +163,9 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   comm_dtype = _check_comm_dtype(comm_dtype)
   n = _axis_size(axis_name)
-  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=n)
-  _check_reducible(packed.layout, mean=mean, allow_int=allow_int,
-                   op="pmean" if mean else "psum")
+  op = "pmean" if mean else "psum"
+  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=n, op=op)
+  _check_reducible(packed.layout, mean=mean, allow_int=allow_int, op=op)
   out = []
   for bucket, x in zip(packed.layout.buckets, packed.buckets):
     if bucket.size == 0:  # only zero-size leaves: nothing to scatter
@@ -301,7 +306,7 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
   n = _axis_size(axis_name)
   if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
     raise ValueError(f"root must be an int in [0, {n}) for axis {axis_name!r}, got {root!r}.")
-  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=1)
+  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=1, op="broadcast")
   send = lambda bits: _root_only_sum(bits, axis_name, root)
   send_float = lambda x: _send_bits(x, axis_name, root)
   out = []
@@ -385,7 +390,7 @@ def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
   """
   comm_dtype = _check_comm_dtype(comm_dtype)
   n = _axis_size(axis_name)
-  packed, _ = _to_packed(tree, layout, plan_options, num_shards=n)
+  packed, _ = _to_packed(tree, layout, plan_options, num_shards=n, op="reduce_scatter")
   _check_shardable(packed.layout, n)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int or not mean,
                    op="reduce_scatter")
@@ -406,6 +411,13 @@ def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
   """
   if not isinstance(shards, Shards):
     raise TypeError(f"all_gather() expects jpack.Shards, got {type(shards).__name__}.")
+  n = _axis_size(axis_name)
+  for i, (x, bucket) in enumerate(zip(shards.buckets, shards.layout.buckets)):
+    if x.shape[0] * n != bucket.size:
+      raise ValueError(
+          f"all_gather over {axis_name!r} ({n} devices): bucket {i} has a slice of "
+          f"{x.shape[0]} elements, and {n} of them do not make its {bucket.size}. Gather "
+          "over the axes the Shards were made over (jpack.shard / reduce_scatter).")
   return Packed(tuple(_all_gather(x, axis_name, axis=0, tiled=True) if x.size
                       else jnp.zeros((0,), x.dtype) for x in shards.buckets), shards.layout)
 
@@ -418,17 +430,31 @@ def vary(tree: Any, axis_name: AxisName) -> Any:
   That is the unpacked all-reduce jpack replaces, and a sum where a mean was meant.
   Differentiate with respect to ``vary(params, axis)`` instead to get this device's own
   gradient, then reduce it with `jpack.pmean` (or `jpack.optax.allreduce` / `sharded`).
-  A no-op for values already varying (e.g. under `jax.pmap`).
+  A no-op for values already varying (e.g. under `jax.pmap`) and under
+  ``jax.vmap(axis_name=...)``, which has no replicated values; with a tuple of axes, only
+  the axes a value does not yet vary over are added.
 
   Args:
     tree: a pytree of arrays (or a `Packed`).
-    axis_name: the mesh axis.
+    axis_name: the mesh axis, or a tuple of axes.
 
   Returns:
     ``tree`` with every leaf varying over ``axis_name``.
   """
+  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  manual = set(names if manual is None else manual)  # older jax: cast as before
+
   def one(x):
-    return x if _is_varying(x, axis_name) else lax.pcast(x, axis_name, to="varying")
+    missing = _not_varying(x, axis_name)
+    for name in missing:
+      if name not in manual:
+        lax.axis_size(name)  # a vmap axis passes; an unbound name raises JAX's NameError
+    missing = tuple(name for name in missing if name in manual)
+    if not missing:
+      return x
+    return lax.pcast(x, missing if isinstance(axis_name, tuple) else missing[0],
+                     to="varying")
 
   return jax.tree.map(one, tree)
 
@@ -479,7 +505,9 @@ def _axis_size(axis_name: AxisName) -> int:
                     "jax.vmap(..., axis_name=...) over that axis.") from e
 
 
-def _to_packed(tree, layout, plan_options, *, num_shards):
+def _to_packed(tree, layout, plan_options, *, num_shards, op):
+  if plan_options:
+    _check_plan_options(plan_options, f"jpack.{op}")
   if isinstance(tree, Packed):
     if layout is not None or plan_options:
       raise TypeError("Got a Packed and a layout or plan options; a Packed carries its "

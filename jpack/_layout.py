@@ -11,11 +11,12 @@ import dataclasses
 import functools
 import hashlib
 import html
+import inspect
 import json
 import math
 import operator
 import re
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,7 +231,8 @@ class Layout:
       A `Layout` equal to the one that was saved.
     """
     doc = json.loads(text)
-    if doc.get("format") != "jpack.Layout/1":
+    if not isinstance(doc, dict) or doc.get("format") != "jpack.Layout/1":
+      doc = doc if isinstance(doc, dict) else {}
       raise ValueError(f"Not a jpack layout (format={doc.get('format')!r}); expected "
                        "text produced by Layout.to_json().")
     if treedef is None:
@@ -268,7 +270,8 @@ def plan(
     tree: a pytree whose leaves are arrays (jax or numpy), Python scalars, or
       `jax.ShapeDtypeStruct`s. Only shapes and dtypes are read.
     bucket_bytes: a bucket closes when adding a leaf would take it past this many
-      bytes. A leaf bigger than the cap gets a bucket of its own.
+      bytes. A leaf bigger than the cap gets a bucket of its own; a zero-size leaf
+      never closes one.
     first_bucket_bytes: cap of the first bucket of each group (DDP uses 1 MiB so the
       first collective starts early). Defaults to ``bucket_bytes``.
     max_leaves: a bucket closes when it holds this many leaves (bounds compile time).
@@ -299,6 +302,11 @@ def plan(
   (bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
    solo_bytes) = _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes,
                                 num_shards, solo_bytes)
+  if group_fn is not None and not callable(group_fn):
+    raise TypeError(f"group_fn must be a function (path, leaf) -> label, got "
+                    f"{type(group_fn).__name__}.")
+  if not isinstance(reverse, (bool, np.bool_)):
+    raise TypeError(f"reverse must be a bool, got {reverse!r}.")
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   n = len(path_leaves)
   paths: list[str] = [""] * n
@@ -329,8 +337,18 @@ def plan(
     if group_fn is not None:
       # Labels are kept as strings so layouts serialize exactly and hash the same in
       # every process.
-      raw = group_fn(paths[i], path_leaves[i][1])
+      try:
+        raw = group_fn(paths[i], path_leaves[i][1])
+      except Exception as e:
+        if hasattr(e, "add_note"):  # Python >= 3.11
+          e.add_note(f"(raised by group_fn for the leaf at {paths[i] or '<root>'})")
+        raise
       label = None if raw is None else str(raw)
+      if label is not None and " at 0x" in label:
+        raise TypeError(
+            f"group_fn returned {label} for the leaf at {paths[i] or '<root>'}: a label "
+            "is kept as its str(), and this one holds a memory address, which differs "
+            "between processes and runs. Return a string, number or enum instead.")
     group = (dtype, label)
     facts = group_storage.get(group)
     if facts is None:
@@ -343,7 +361,8 @@ def plan(
       b, fill, count = state
       start = -(-fill // align) * align
       cap = first_cap if b == first_bucket[group] else bucket_bytes
-      too_big = (start + sizes[i]) * sdtype.itemsize > cap
+      # An empty leaf takes no bytes: it never opens a bucket of its own.
+      too_big = sizes[i] and (start + sizes[i]) * sdtype.itemsize > cap
       too_many = max_leaves is not None and count >= max_leaves
       if too_big or too_many:
         state = None
@@ -373,6 +392,18 @@ def plan(
     group = (_dtype_name(groups[b][0]), groups[b][1])
     buckets.append(Bucket(storage[b], size, tuple(idx), group))
   return Layout(treedef, slots, tuple(buckets), align_bytes, num_shards)
+
+
+def _check_plan_options(options: Mapping[str, Any], where: str) -> None:
+  """TypeError / ValueError now, naming ``where``, for options that `plan` would refuse
+  later (inside a traced step, where the error is harder to place)."""
+  known = [p.name for p in inspect.signature(plan).parameters.values()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY]
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    raise TypeError(f"{where} got unexpected keyword argument(s) {unknown}; its extra "
+                    f"keyword arguments go to jpack.plan, which takes {known}.")
+  plan((), **options)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -472,7 +503,10 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
         "jax/numpy arrays, Python scalars and jax.ShapeDtypeStruct. Convert it, or mark "
         "it static (e.g. keep it out of the tree or use None).")
   dtype = _checked_dtype(leaf.dtype, path)
-  if kind is np.ndarray or isinstance(leaf, np.generic):
+  if isinstance(leaf, (np.ndarray, np.generic)):  # np.memmap too: any subclass
+    if isinstance(leaf, np.ma.MaskedArray):
+      raise TypeError(f"Leaf at {path or '<root>'} is a numpy masked array: JAX would drop "
+                      "its mask. Pass leaf.filled(value) or leaf.data.")
     _check_canonical(dtype, path, "numpy array of dtype")
   return tuple(map(int, leaf.shape)), dtype
 
@@ -507,11 +541,28 @@ def _checked_dtype(dtype: Any, path: str) -> Any:
               if checked == jax.dtypes.float0 else "")
       raise TypeError(f"Leaf at {path or '<root>'} has dtype {checked}{hint}, which jpack "
                       "cannot pack; expected a bool, integer, float or complex dtype.")
+    problem = _unsupported(checked)
+    if problem:
+      shown = checked.name if checked.isnative else checked.str
+      raise TypeError(f"Leaf at {path or '<root>'} has dtype {shown}: {problem}")
   try:
     _CHECKED_DTYPES[dtype] = checked
   except TypeError:  # pragma: no cover - an unhashable dtype-like
     pass
   return checked
+
+
+def _unsupported(dtype: np.dtype) -> str:
+  """Why JAX cannot hold ``dtype`` faithfully, or ''."""
+  if not dtype.isnative:
+    return ("not in this machine's byte order, which JAX arrays do not keep (to_json "
+            "would also lose it). Convert it first: leaf.astype(leaf.dtype.newbyteorder('='))")
+  if dtype.kind in "fc" and dtype.itemsize > (16 if dtype.kind == "c" else 8):
+    return "extended precision, which JAX does not support. Cast it to float64 or float32."
+  if dtype.name in ("int2", "uint2"):
+    return ("2-bit integers abort XLA:CPU when concatenated (a bucket is a concatenate). "
+            "Store them as int8 / uint8 (or int4 / uint4) instead.")
+  return ""
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -30,7 +30,10 @@ class _Buckets:
   __slots__ = ("buckets", "layout")
 
   def __init__(self, buckets: tuple[Any, ...], layout: Layout):
-    # No validation: JAX rebuilds pytrees with placeholders during transformations.
+    # The children are not checked: JAX rebuilds pytrees with placeholders.
+    if not isinstance(layout, Layout):
+      raise TypeError(f"{type(self).__name__}(buckets, layout) needs a jpack.Layout as its "
+                      f"second argument, got {type(layout).__name__}.")
     self.buckets = tuple(buckets)
     self.layout = layout
 
@@ -151,6 +154,8 @@ def _place_concat(flat, starts, size, dtype):
   pieces = []
   end = 0
   for leaf, start in zip(flat, starts):
+    if not leaf.shape[0]:
+      continue  # XLA:CPU aborts on zero-size concatenate operands followed by a split
     if start > end:
       pieces.append(gap(start - end))
     pieces.append(leaf)
@@ -176,7 +181,7 @@ def _place_gather_jvp(starts, size, dtype, primals, tangents):
 
 def _place_gather_raw(flat, starts, size, dtype):
   """The bucket gathered from ``[leaves end to end, 0]``; gaps read the final zero."""
-  compact = lax.concatenate(flat + (jnp.zeros((1,), dtype),), 0)
+  compact = lax.concatenate([x for x in flat if x.shape[0]] + [jnp.zeros((1,), dtype)], 0)
   index = np.full((size,), compact.shape[0] - 1, np.int32)
   pos = 0
   for leaf, start in zip(flat, starts):
@@ -313,6 +318,9 @@ def _unpack(packed: Packed) -> Any:
     end = 0
     for j in bucket.slots:
       slot = layout.slots[j]
+      if not slot.size:  # kept out of the split: see _place_concat
+        leaves[j] = _leaf(lax.slice_in_dim(array, 0, 0), slot)
+        continue
       if slot.offset > end:
         sizes.append(slot.offset - end)
         owners.append(None)
@@ -540,6 +548,12 @@ def _first_node_difference(tree: Any, treedef: Any) -> str:
 
 
 def _check_buckets(buckets: tuple[Any, ...], layout: Layout) -> None:
+  if not isinstance(layout, Layout):
+    raise TypeError(f"Packed.layout is a {type(layout).__name__}, expected a jpack.Layout: "
+                    "build a Packed as Packed(buckets, layout), or with jpack.pack.")
+  if not isinstance(buckets, (tuple, list)):
+    raise TypeError(f"Packed.buckets is a {type(buckets).__name__}, expected a tuple of "
+                    "1-D arrays, one per bucket of the layout.")
   if len(buckets) != len(layout.buckets):
     raise ValueError(f"Packed holds {len(buckets)} buckets but its layout has "
                      f"{len(layout.buckets)}.")
@@ -548,6 +562,6 @@ def _check_buckets(buckets: tuple[Any, ...], layout: Layout) -> None:
     if shape != (bucket.size,):
       raise ValueError(f"Bucket {i} has shape {shape}, but the layout expects "
                        f"({bucket.size},).")
-    if np.dtype(array.dtype) != _storage_dtype(bucket.dtype):
+    if _is_key_dtype(array.dtype) or np.dtype(array.dtype) != _storage_dtype(bucket.dtype):
       raise TypeError(f"Bucket {i} has dtype {array.dtype}, but the layout expects "
                       f"{bucket.dtype}.")

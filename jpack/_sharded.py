@@ -18,7 +18,7 @@ from jax import lax
 
 from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather,
                                 reduce_scatter, shard)
-from jpack._layout import Layout, plan
+from jpack._layout import Layout, _check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
                                _labelled, _LayoutState, _pack_like, _refuse_inner,
@@ -70,7 +70,9 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     **plan_options: options for `jpack.plan` (``num_shards`` is set to the axis size).
 
   Returns:
-    An `optax.GradientTransformation` whose state is a `ShardedState`.
+    An `optax.GradientTransformationExtraArgs` whose state is a `ShardedState`; extra
+    update arguments (``value=`` for ``optax.contrib.reduce_on_plateau``) are passed on
+    to ``inner``.
 
   Raises:
     TypeError: ``inner`` cannot run on slices (see ``inner``).
@@ -82,6 +84,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
   """
   _check_inner(inner, labels)
+  _check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
   _refuse_inner(inner, "inside jpack.optax.sharded", slices=True)
   _refuse_reduce_in(inner, "inside jpack.optax.sharded")
 
@@ -95,10 +98,13 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     n = _axis_size(axis_name)
     layout = layout_for(params, n)
     _check_shardable(layout, n)
-    local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
+    if isinstance(params, Shards):  # already this device's slices
+      local = params
+    else:
+      local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
     return ShardedState(_labelled(inner, layout).init(local.buckets), layout)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
     packed = _pack_like(updates, layout, "updates")
     if isinstance(packed, Shards):
@@ -113,7 +119,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
         local_params = shard(local_params, axis_name)
       local_params = local_params.buckets
     new, inner_state = _labelled(inner, layout).update(grads.buckets, state.inner_state,
-                                                       local_params)
+                                                       local_params, **extra_args)
     if isinstance(updates, Shards) and isinstance(params, Shards):
       # The caller applies the updates to its slice and all-gathers the new params:
       # one full-size pass fewer than gathering updates and adding them everywhere.
@@ -123,7 +129,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       return full, ShardedState(inner_state, layout)
     return _unpack_as_returned(full), ShardedState(inner_state, layout)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.GradientTransformation:
@@ -148,8 +154,8 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
     del params
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
     squares = _sum_of_squares(jax.tree.leaves(updates))
     if axis_name is not None:
       squares = lax.psum(squares, axis_name)
@@ -158,7 +164,7 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
     return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
 
   update_fn.global_norm_axis_name = axis_name  # `sharded` refuses None: a slice's norm
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _sum_of_squares(xs: Any) -> jax.Array:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import dis
 import functools
 import types
 from typing import Any, Callable, Mapping, Union
@@ -13,7 +15,7 @@ import numpy as np
 import optax
 
 from jpack._collectives import pmean, psum
-from jpack._layout import Layout, plan
+from jpack._layout import Layout, _check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
 
 Labels = Union[Callable[[Any], Any], Any, None]
@@ -45,14 +47,15 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     >>> import optax, jpack
     >>> tx = optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3))
   """
+  _check_plan_options(plan_options, "jpack.optax.allreduce")
   reduce = pmean if mean else psum
 
   def init_fn(params):
     del params
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
     options = {} if isinstance(updates, Packed) else dict(plan_options)
     if mean:
       options["allow_int"] = allow_int
@@ -60,7 +63,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
                   **options), state
 
   update_fn.jpack_reduces_over = axis_name  # data_parallel / sharded refuse a second reduce
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _after(tree: Any, *scalars: jax.Array) -> Any:
@@ -73,7 +76,8 @@ def _after(tree: Any, *scalars: jax.Array) -> Any:
   copies of 4 MiB per device). Making every gradient depend on scalars that depend on
   all gradients (the gradient norm, the loss) orders the updates after the backward
   pass, and the copies go. ``s > inf`` is false for every value, NaN included, and
-  ``x - 0.0`` is exactly ``x`` (``-0.0`` too), so no value changes.
+  ``x - 0.0`` is exactly ``x`` (``-0.0`` too), so no value changes (a signalling NaN
+  comes out quiet, still NaN).
   """
   if not scalars:
     return tree
@@ -157,7 +161,8 @@ def flat(inner: Inner, *, labels: Labels = None,
     **plan_options: options for `jpack.plan`.
 
   Returns:
-    An `optax.GradientTransformation` whose state is `FlatState`.
+    An `optax.GradientTransformationExtraArgs` whose state is `FlatState`; extra update
+    arguments (``value=`` for ``optax.polyak_sgd``) are passed on to ``inner``.
 
   Raises:
     TypeError: ``inner`` holds an optax transformation that needs whole leaves (lamb,
@@ -175,23 +180,24 @@ def flat(inner: Inner, *, labels: Labels = None,
     (2, 2)
   """
   _check_inner(inner, labels)
+  _check_plan_options(plan_options, "jpack.optax.flat")
   _refuse_inner(inner, "inside jpack.optax.flat")
 
   def init_fn(params):
     packed = _pack(params, labels, plan_options)
     return FlatState(_labelled(inner, packed.layout).init(packed.buckets), packed.layout)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
     was_packed = isinstance(updates, Packed)
     packed = _after_all(_pack_like(updates, layout, "updates"))  # no copies of donated params
     flat_params = None if params is None else _pack_like(params, layout, "params").buckets
     new, inner_state = _labelled(inner, layout).update(packed.buckets, state.inner_state,
-                                                       flat_params)
+                                                       flat_params, **extra_args)
     out = Packed(tuple(new), layout)
     return (out if was_packed else _unpack_as_returned(out)), FlatState(inner_state, layout)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # -- shared with the sharded optimizer -------------------------------------------------
@@ -257,10 +263,11 @@ def _pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:
   return tree
 
 
-def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformation:
-  """``inner`` as one transformation over the tuple of buckets."""
+def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtraArgs:
+  """``inner`` as one transformation over the tuple of buckets, taking optax's extra
+  update arguments (``value=`` for polyak_sgd or reduce_on_plateau) like a chain does."""
   if not isinstance(inner, Mapping):
-    return inner
+    return optax.with_extra_args_support(inner)
   bucket_labels = tuple(b.group[1] for b in layout.buckets)
   missing = sorted({str(x) for x in bucket_labels} - {str(k) for k in inner})
   if missing:
@@ -382,6 +389,9 @@ def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):
       except ValueError:  # empty cell
         continue
       yield from _functions_in(contents, depth + 1, seen)
+    if (obj.__module__ or "").split(".")[0] not in _LIBRARIES:
+      for item in _globals_used(obj):
+        yield from _functions_in(item, depth + 1, seen)
   elif isinstance(obj, (tuple, list)):
     for item in obj:
       yield from _functions_in(item, depth + 1, seen)
@@ -396,3 +406,33 @@ def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):
   elif type(obj).__module__.startswith("optax") and hasattr(obj, "__dict__"):
     for item in vars(obj).values():
       yield from _functions_in(item, depth + 1, seen)
+
+
+# Library code is trusted to be what its name says; only user code (a factory handed to
+# inject_hyperparams, a helper building a chain) is read for the optax functions it calls.
+_LIBRARIES = {"optax", "jax", "jaxlib", "jpack", "numpy", "functools", "builtins"}
+
+
+def _globals_used(fn: types.FunctionType) -> list[Any]:
+  """The objects ``fn`` (and the lambdas and functions defined inside it) reads from its
+  module: ``optax.clip_by_global_norm`` in ``lambda lr: optax.chain(
+  optax.clip_by_global_norm(1.0), optax.sgd(lr))`` is only reachable this way, since the
+  factory is called at every update, not when the transformation is built."""
+  found = []
+  codes = [fn.__code__]
+  while codes:
+    code = codes.pop()
+    codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    obj = None
+    for ins in dis.get_instructions(code):
+      if ins.opname == "LOAD_GLOBAL":
+        name = ins.argval
+        obj = fn.__globals__.get(name, getattr(builtins, name, None))
+      elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and obj is not None:
+        obj = getattr(obj, ins.argval, None)
+      else:
+        obj = None
+        continue
+      if isinstance(obj, (types.FunctionType, functools.partial)):
+        found.append(obj)
+  return found

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -490,3 +491,39 @@ def test_derivatives_through_collectives_equal_lax(dtype, wire):
                                rtol=tol, atol=tol, err_msg=name)
     np.testing.assert_allclose(np.asarray(t, np.float32), np.asarray(t_ref, np.float32),
                                rtol=tol, atol=tol, err_msg=name)
+
+
+def test_vary_adds_only_missing_axes_and_is_a_no_op_under_vmap():
+  m = jax.make_mesh((2, 4), ("x", "y"))
+  a = np.arange(8.0, dtype=np.float32)
+
+  def f(a):  # a varies over "x" already
+    v = jpack.vary({"a": a}, ("x", "y"))
+    return jpack.pmean(v, ("x", "y"))["a"]
+
+  got = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("x"), out_specs=P()))(
+      jax.device_put(a, NamedSharding(m, P("x"))))
+  np.testing.assert_allclose(got, a.reshape(2, 4).mean(0))
+  x = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+  got = jax.vmap(lambda t: jpack.pmean(jpack.vary(t, "b"), "b"), axis_name="b")({"a": x})
+  np.testing.assert_allclose(got["a"], np.broadcast_to(x.mean(0), (2, 3)))
+  with pytest.raises(NameError):
+    jpack.vary({"a": jnp.ones(2)}, "nope")
+
+
+def test_all_gather_checks_the_axis_and_options_name_the_function():
+  m = jax.make_mesh((2, 4), ("x", "y"))
+  tree = jax.device_put({"w": np.ones((8, 16), np.float32)}, NamedSharding(m, P(("x", "y"))))
+
+  def gather_over_x_only(t):
+    return jpack.all_gather(jpack.reduce_scatter(t, ("x", "y"), align_bytes=4), "x")
+
+  with pytest.raises(ValueError, match=r"all_gather over 'x' \(2 devices\): bucket 0"):
+    jax.jit(jax.shard_map(gather_over_x_only, mesh=m, in_specs=P(("x", "y")),
+                          out_specs=P())).trace(tree)
+  with pytest.raises(TypeError, match=r"jpack.psum got unexpected keyword argument\(s\) \['mean'\]"):
+    _trace(lambda t: jpack.psum(t, "batch", mean=True), {"w": np.ones((N, 3), np.float32)})
+  with pytest.raises(TypeError, match=r"jpack.optax.allreduce got unexpected.*bucket_size"):
+    jpack.optax.allreduce("batch", bucket_size=3)
+  with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+    jpack.optax.flat(optax.sgd(0.1), bucket_bytes=0)

@@ -79,7 +79,8 @@ def check_greedy_fill(layout, *, bucket_bytes, max_leaves, first_bucket_bytes, a
     if prev is not None and prev[0] != slot.bucket:
       b, end, count = prev
       align = max(1, align_bytes // item)
-      fits = (-(-end // align) * align + slot.size) * item <= cap_of(b, bucket.group)
+      fits = (slot.size == 0  # an empty leaf takes no bytes: it always fits
+              or (-(-end // align) * align + slot.size) * item <= cap_of(b, bucket.group))
       assert not fits or (max_leaves is not None and count >= max_leaves), (
           f"bucket {b} closed although leaf {slot.path} fits")
       closed.add(b)
@@ -90,7 +91,8 @@ def check_greedy_fill(layout, *, bucket_bytes, max_leaves, first_bucket_bytes, a
       open_of_group[bucket.group] = (slot.bucket, slot.size, 1)
     else:
       assert slot.offset >= prev[1]  # filled in order
-      assert (slot.offset + slot.size) * item <= cap_of(slot.bucket, bucket.group)
+      assert slot.size == 0 or (slot.offset + slot.size) * item <= cap_of(slot.bucket,
+                                                                            bucket.group)
       open_of_group[bucket.group] = (slot.bucket, slot.offset + slot.size, prev[2] + 1)
 
 
@@ -417,3 +419,43 @@ def test_shape_dtype_structs_are_checked_like_arrays():
   for bad in [(3, -1), (2.5,)]:
     with pytest.raises(ValueError, match=r"\['w'\] is a jax.ShapeDtypeStruct of shape"):
       jpack.plan({"w": jax.ShapeDtypeStruct(bad, np.float32)})
+
+
+def test_numpy_subclasses_and_dtypes_jax_cannot_hold_are_refused(tmp_path):
+  # np.memmap of float64 used to skip the 64-bit check and be narrowed to f32 by pack.
+  mm = np.memmap(tmp_path / "mm.dat", dtype=np.float64, mode="w+", shape=(3,))
+  with pytest.raises(TypeError, match=r"\['a'\] is a numpy array of dtype float64"):
+    jpack.plan({"a": mm})
+  with pytest.raises(TypeError, match=r"\['a'\] is a numpy masked array"):
+    jpack.plan({"a": np.ma.array(np.ones(2, np.float32), mask=[0, 1])})
+  with pytest.raises(TypeError, match=r"\['a'\] has dtype >f4: not in this machine's byte"):
+    jpack.plan({"a": np.arange(3, dtype=">f4")})
+  with pytest.raises(TypeError, match=r"\['a'\] has dtype >i4"):
+    jpack.plan({"a": jax.ShapeDtypeStruct((2,), np.dtype(">i4"))})
+  if np.dtype(np.longdouble).itemsize > 8:
+    with pytest.raises(TypeError, match="extended precision"):
+      jpack.plan({"a": np.ones(2, np.longdouble)})
+  with pytest.raises(TypeError, match=r"\['a'\] has dtype int2: 2-bit integers"):
+    jpack.plan({"a": jax.ShapeDtypeStruct((8,), jnp.int2)})
+
+
+def test_an_empty_leaf_never_opens_a_bucket_of_its_own():
+  layout = jpack.plan({"a": jnp.zeros(0), "b": jnp.ones(3)}, bucket_bytes=64)
+  assert [b.size for b in layout.buckets] == [64]
+  assert layout.slots[0].offset <= layout.buckets[0].size
+
+
+def test_plan_checks_group_fn_and_reverse_and_unstable_labels():
+  tree = {"a": 1.0}
+  with pytest.raises(TypeError, match="group_fn must be a function"):
+    jpack.plan(tree, group_fn="x")
+  with pytest.raises(TypeError, match="reverse must be a bool"):
+    jpack.plan(tree, reverse="no")
+  with pytest.raises(TypeError, match=r"for the leaf at \['a'\].*memory address"):
+    jpack.plan(tree, group_fn=lambda path, leaf: object())
+  with pytest.raises(ZeroDivisionError) as info:
+    jpack.plan(tree, group_fn=lambda path, leaf: 1 / 0)
+  if hasattr(info.value, "__notes__"):
+    assert "group_fn for the leaf at ['a']" in info.value.__notes__[0]
+  with pytest.raises(ValueError, match="Not a jpack layout"):
+    jpack.Layout.from_json("[1, 2]")

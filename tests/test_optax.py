@@ -237,3 +237,50 @@ def test_allreduce_allow_int_on_trees_and_packed():
     for u in got:
       np.testing.assert_array_equal(np.asarray(u["c"]), want_c)
       np.testing.assert_allclose(np.asarray(u["w"]), want_w, rtol=1e-6)
+
+
+def test_transforms_built_by_a_factory_are_read_for_refusals():
+  # inject_hyperparams calls the factory at every update: the optax functions it uses
+  # are reachable only through the factory's globals.
+  clip_chain = lambda lr: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(lr))
+  with pytest.raises(TypeError, match="clip_by_global_norm cannot run inside jpack.optax.sharded"):
+    jpack.optax.sharded(optax.inject_hyperparams(clip_chain)(lr=0.1), "batch")
+  block_rms = lambda lr: optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(lr))
+  with pytest.raises(TypeError, match="clip_by_block_rms cannot run inside jpack.optax.flat"):
+    jpack.optax.flat(optax.inject_hyperparams(block_rms)(lr=0.1))
+  jpack.optax.flat(optax.inject_hyperparams(clip_chain)(lr=0.1))  # whole gradient: fine
+  jpack.optax.sharded(optax.inject_hyperparams(
+      lambda lr: optax.chain(optax.scale_by_adam(), optax.scale(-lr)))(lr=0.1), "batch")
+
+
+def test_extra_update_arguments_reach_the_inner_optimizer():
+  params = params0()
+  grads = jax.tree.map(lambda x: (x * 0.5 + 0.25).astype(x.dtype), params)
+  opt = optax.polyak_sgd(max_learning_rate=1.0, f_min=0.0)
+  want, _ = opt.update(grads, opt.init(params), params, value=jnp.float32(3.0))
+  for tx in (jpack.optax.flat(opt), optax.chain(jpack.optax.flat(opt))):
+    got, _ = tx.update(grads, tx.init(params), params, value=jnp.float32(3.0))
+    assert_trees_close(got, want)
+
+
+def test_sharded_passes_extra_arguments_and_takes_shards_in_init():
+  opt = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+  tx = jpack.optax.sharded(opt, "batch", align_bytes=16)
+  mesh = jax.make_mesh((N,), ("batch",))
+  params = jax.tree.map(lambda x: x.astype(jnp.float32), params0())
+  grads = jax.tree.map(lambda x: x + 1.0, params)
+
+  def body(params, grads):
+    state = tx.init(params)
+    same = tx.init(jpack.shard(jpack.pack(params, state.layout), "batch"))
+    assert jax.tree.structure(same) == jax.tree.structure(state)
+    for value in (1.0, 2.0):  # a worse loss: the plateau halves the scale
+      updates, state = tx.update(grads, state, params, value=jnp.float32(value))
+    return updates
+
+  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P()))(
+      params, grads)
+  state = opt.init(params)
+  for value in (1.0, 2.0):
+    want, state = opt.update(grads, state, params, value=jnp.float32(value))
+  assert_trees_close(got, want)

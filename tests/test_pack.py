@@ -453,3 +453,30 @@ def test_every_float4_value_round_trips(num_leaves):
         assert got[k].dtype == v.dtype
         np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint8) & 0xF,
                                       v.view(np.uint8) & 0xF)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+@pytest.mark.parametrize("num_shards", [1, 8])
+def test_zero_size_leaves_round_trip_inside_one_jit(reverse, num_shards):
+  # A zero-size concatenate operand followed by a split aborted XLA:CPU (the process).
+  tree = {"a": jnp.zeros(0), "b": jnp.arange(3.0), "c": jnp.zeros((2, 0), jnp.bfloat16),
+          "d": jnp.ones(2, jnp.bfloat16)}
+  out = jax.jit(lambda t: jpack.unpack(jpack.pack(t, reverse=reverse,
+                                                  num_shards=num_shards)))(tree)
+  for k in tree:
+    assert out[k].shape == tree[k].shape and out[k].dtype == tree[k].dtype
+    np.testing.assert_array_equal(np.asarray(out[k], np.float32),
+                                  np.asarray(tree[k], np.float32))
+  many = {f"z{i:03d}": jnp.zeros(0) for i in range(150)}
+  many |= {f"x{i:03d}": jnp.full(3, i, jnp.float32) for i in range(150)}  # gather path
+  out = jax.jit(lambda t: jpack.unpack(jpack.pack(t)))(many)
+  for k in many:
+    np.testing.assert_array_equal(out[k], many[k])
+
+
+def test_hand_built_packed_with_a_wrong_layout_is_refused():
+  p = jpack.pack({"a": jnp.ones(3)})
+  with pytest.raises(TypeError, match="needs a jpack.Layout"):
+    jpack.Packed(p.buckets, None)
+  with pytest.raises(TypeError, match="needs a jpack.Layout"):
+    jpack.Packed(p.layout, p.buckets)

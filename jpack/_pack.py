@@ -314,12 +314,12 @@ def _unpack(packed: Packed) -> Any:
   layout = packed.layout
   leaves: list[Any] = [None] * layout.num_leaves
   for bucket, array in zip(layout.buckets, packed.buckets):
-    sizes, owners = [], []
+    sizes, owners, empty = [], [], []
     end = 0
     for j in bucket.slots:
       slot = layout.slots[j]
       if not slot.size:  # kept out of the split: see _place_concat
-        leaves[j] = _leaf(lax.slice_in_dim(array, 0, 0), slot)
+        empty.append(j)
         continue
       if slot.offset > end:
         sizes.append(slot.offset - end)
@@ -330,10 +330,13 @@ def _unpack(packed: Packed) -> Any:
     if bucket.size > end:
       sizes.append(bucket.size - end)
       owners.append(None)
-    parts = _split(_unsharded(array), tuple(sizes)) if len(sizes) > 1 else [array]
+    whole = _unsharded(array) if len(sizes) > 1 or empty else array
+    parts = _split(whole, tuple(sizes)) if len(sizes) > 1 else [array]
     for j, part in zip(owners, parts):
       if j is not None:
         leaves[j] = _leaf(part, layout.slots[j])
+    for j in empty:
+      leaves[j] = _leaf(lax.slice_in_dim(whole, 0, 0), layout.slots[j])
   return jax.tree.unflatten(layout.treedef, leaves)
 
 

@@ -404,7 +404,8 @@ def test_unpack_outside_jit_compiles_sharded_buckets_with_cpu_fast_options(monke
   on_host = _record_calls(monkeypatch, "_unpack_on_host")
   compiled = _record_calls(monkeypatch, "_unpack_compiled_for_cpu")
   tree = {"a": np.arange(5, dtype=np.float32), "b": np.ones((2, 3), np.int8),
-          "c": np.asarray([1.5, -0.0, np.nan], jnp.bfloat16)}
+          "c": np.asarray([1.5, -0.0, np.nan], jnp.bfloat16),
+          "e": np.zeros((2, 0), np.float32)}  # sliced from the gathered bucket too
   layout = jpack.plan(tree, num_shards=8)
   mesh = jax.make_mesh((8,), ("x",))
   packed = jax.device_put(jpack.pack(tree, layout), NamedSharding(mesh, P("x")))

@@ -453,8 +453,7 @@ def vary(tree: Any, axis_name: AxisName) -> Any:
     missing = tuple(name for name in missing if name in manual)
     if not missing:
       return x
-    return lax.pcast(x, missing if isinstance(axis_name, tuple) else missing[0],
-                     to="varying")
+    return lax.pcast(x, missing, to="varying")
 
   return jax.tree.map(one, tree)
 

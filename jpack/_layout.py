@@ -231,9 +231,9 @@ class Layout:
       A `Layout` equal to the one that was saved.
     """
     doc = json.loads(text)
-    if not isinstance(doc, dict) or doc.get("format") != "jpack.Layout/1":
-      doc = doc if isinstance(doc, dict) else {}
-      raise ValueError(f"Not a jpack layout (format={doc.get('format')!r}); expected "
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if fmt != "jpack.Layout/1":
+      raise ValueError(f"Not a jpack layout (format={fmt!r}); expected "
                        "text produced by Layout.to_json().")
     if treedef is None:
       if doc["structure"] is None:

@@ -551,12 +551,6 @@ def _first_node_difference(tree: Any, treedef: Any) -> str:
 
 
 def _check_buckets(buckets: tuple[Any, ...], layout: Layout) -> None:
-  if not isinstance(layout, Layout):
-    raise TypeError(f"Packed.layout is a {type(layout).__name__}, expected a jpack.Layout: "
-                    "build a Packed as Packed(buckets, layout), or with jpack.pack.")
-  if not isinstance(buckets, (tuple, list)):
-    raise TypeError(f"Packed.buckets is a {type(buckets).__name__}, expected a tuple of "
-                    "1-D arrays, one per bucket of the layout.")
   if len(buckets) != len(layout.buckets):
     raise ValueError(f"Packed holds {len(buckets)} buckets but its layout has "
                      f"{len(layout.buckets)}.")

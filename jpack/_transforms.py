@@ -374,9 +374,10 @@ def _refuse_reduce_in(inner: Any, where: str) -> None:
 
 def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):
   """The functions reachable from ``obj`` through closures, tuples, dicts, partials,
-  bound methods and optax objects' attributes (a GradientTransformation is a tuple of
+  bound methods, optax objects' attributes (a GradientTransformation is a tuple of
   closures over its parts; ``optax.MultiSteps(...).gradient_transformation()`` one of
-  bound methods of an object holding the wrapped optimizer)."""
+  bound methods of an object holding the wrapped optimizer) and, for functions outside
+  the libraries, the module-level functions their code reads (`_globals_used`)."""
   seen = set() if seen is None else seen
   if depth > 12 or id(obj) in seen:
     return

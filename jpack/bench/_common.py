@@ -237,6 +237,29 @@ def time_fn(f: Callable, *args: Any, runs: int = 5, warmup: int = 1) -> Timing:
   return Timing(statistics.median(times), min(times), len(times))
 
 
+def time_interleaved(calls: dict[str, tuple[Callable, tuple[Any, ...]]], *, runs: int = 5,
+                     warmup: int = 1) -> dict[str, Timing]:
+  """Median wall time of each ``f(*args)`` in ``calls``, timed in rounds of one call each.
+
+  Variants timed one after the other see different host states: the time of one large
+  CPU collective moved between 61 and 98 ms from run to run (allocator and page state),
+  which swung a ratio against it from 2.8x to 3.9x. In rounds every variant meets the
+  same drifts, so their ratios hold. Outputs are dropped before the next call.
+  """
+  for f, args in calls.values():
+    for _ in range(warmup):
+      jax.block_until_ready(f(*args))
+  times: dict[str, list[float]] = {key: [] for key in calls}
+  for _ in range(max(1, runs)):
+    for key, (f, args) in calls.items():
+      t0 = time.perf_counter()
+      out = f(*args)
+      jax.block_until_ready(out)
+      times[key].append(time.perf_counter() - t0)
+      del out
+  return {key: Timing(statistics.median(t), min(t), len(t)) for key, t in times.items()}
+
+
 def time_python(f: Callable, *args: Any, runs: int = 20) -> Timing:
   """Median wall time of a pure-Python call (one warm-up call first)."""
   f(*args)

@@ -2,7 +2,9 @@
 
 Every variant runs as ``jax.jit(jax.shard_map(body, mesh=make_mesh((8,), ("batch",)),
 in_specs=P("batch"), out_specs=P()))`` on a tree whose leaves carry a leading axis of 8
-(one slice per device, placed with ``NamedSharding(mesh, P("batch"))`` before timing):
+(one slice per device, placed with ``NamedSharding(mesh, P("batch"))`` before timing).
+All variants of a workload are compiled first, then timed in interleaved rounds (one call
+of each per round), so that the host's drifts hit them alike:
 
   per-leaf       ``tree_map(lax.pmean)`` (XLA merges these into one tuple all-reduce)
   ravel          ``ravel_pytree`` + one pmean + unravel (what ``optax.flatten`` does)
@@ -12,6 +14,8 @@ in_specs=P("batch"), out_specs=P()))`` on a tree whose leaves carry a leading ax
   jpack Packed   ``jpack.pmean`` of a `jpack.Packed` (gradients already in buckets, as with
                  persistent packed params): buckets in, buckets out, no pack or unpack
   floor          one pmean of a single f32 array with the tree's bytes
+  floor, dtypes  one pmean of a single array per dtype of the tree, holding that dtype's
+                 bytes (shown when the tree is not all f32; XLA:CPU widens bf16 itself)
   x*2 local      per-leaf ``x * 2`` (no communication): the per-buffer cost of N outputs
 
     python -m jpack.bench collectives              # big workloads cut to ~26 M elements (~10 min)
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -58,13 +63,14 @@ VARIANTS = {
     "jpack_bf16": "jpack bf16 wire",
     "jpack_packed": "jpack s+g Packed",
     "floor": "floor (1 array)",
+    "floor_dtypes": "floor, tree's dtypes",
     "x2": "x*2 local",
 }
 GOAL_VARIANTS = ("jpack_psum", "jpack_sg", "jpack_packed")
 # Above --slow-leaves leaves only these run by default: every jpack variant (and ravel's
 # unravel) returns N slices, and XLA:CPU compiles one kernel per output slice (~30 s or
 # more at 4000 leaves). --all-variants runs everything.
-SLOW_VARIANTS = ("per_leaf", "jpack_sg", "jpack_packed", "floor")
+SLOW_VARIANTS = ("per_leaf", "jpack_sg", "jpack_packed", "floor", "floor_dtypes")
 # Left out of the default run (its per-leaf pmean alone compiles ~26 s, jpack's tree pmean
 # ~49 s on the EPYC host): --full, or name it in --workloads.
 FULL_ONLY = ("many_small_4000",)
@@ -133,35 +139,54 @@ def bodies(layout: jpack.Layout) -> dict[str, tuple[Callable, Any]]:
 
 def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...]
                    ) -> tuple[dict[str, Result], jpack.Layout]:
+  """Compile every variant, then time them in interleaved rounds (`c.time_interleaved`)."""
   print(f"\n{w.describe()}  x {NUM_DEVICES} devices", flush=True)
   layout = jpack.plan(w.shapes, num_shards=NUM_DEVICES)
   tree = c.random_tree(w.shapes, seed=0, lead=NUM_DEVICES, sharding=bench.sharding)
-  results: dict[str, Result] = {}
   fns = bodies(layout)
+  calls: dict[str, tuple[Callable, Any]] = {}
   for key in variants:
-    if key in ("floor", "jpack_packed"):
-      continue
-    body, out_specs = fns[key]
-    results[key] = bench.measure(key, VARIANTS[key], bench.smap(body, out_specs), tree)
+    if key in fns:
+      body, out_specs = fns[key]
+      calls[key] = (bench.smap(body, out_specs), tree)
   if "jpack_packed" in variants:
     # Gradients that are already buckets (persistent packed params): packed outside the
     # timed call, reduced bucket by bucket, returned as buckets.
     packed = bench.smap(lambda t: jax.tree.map(lambda b: b[None], jpack.pack(_local(t), layout)),
                         P(AXIS))(tree)
-    results["jpack_packed"] = bench.measure(
-        "jpack_packed", VARIANTS["jpack_packed"],
-        bench.smap(lambda p: jpack.pmean(_local(p), AXIS)), packed)
-    del packed
-  del tree
+    calls["jpack_packed"] = (bench.smap(lambda p: jpack.pmean(_local(p), AXIS)), packed)
   if "floor" in variants:
     rng = np.random.default_rng(1)
     single = c.place(c.random_numpy((NUM_DEVICES, w.nbytes // 4), np.float32, rng),
                      bench.sharding)
-    results["floor"] = bench.measure(
-        "floor", VARIANTS["floor"],
-        bench.smap(lambda x: lax.pmean(x.reshape(x.shape[1:]), AXIS)), single)
-    del single
+    calls["floor"] = (bench.smap(lambda x: lax.pmean(_local(x), AXIS)), single)
+    per_dtype = _bytes_per_dtype(w)
+    if "floor_dtypes" in variants and set(per_dtype) != {np.dtype(np.float32)}:
+      arrays = [c.place(c.random_numpy((NUM_DEVICES, n // d.itemsize), d, rng), bench.sharding)
+                for d, n in per_dtype.items()]
+      calls["floor_dtypes"] = (bench.smap(lambda xs: lax.pmean(_local(xs), AXIS)), arrays)
+  results: dict[str, Result] = {}
+  compiled = {}
+  for key in (k for k in VARIANTS if k in calls):
+    f, arg = calls[key]
+    compiled[key] = c.compile_fn(f, arg)
+  timings = c.time_interleaved({k: (compiled[k].fn, (calls[k][1],)) for k in compiled},
+                               runs=bench.runs)
+  for key, comp in compiled.items():
+    results[key] = Result(key, comp, timings[key], c.count_collectives(comp.text()))
+    print(f"  {VARIANTS[key]:<24} run {c.fmt_ms(timings[key].median_s):>7} ms   lower "
+          f"{comp.lower_s:6.2f} s   compile {comp.compile_s:6.2f} s   "
+          f"{results[key].colls.short()}", flush=True)
+  del calls, tree
   return results, layout
+
+
+def _bytes_per_dtype(w: c.Workload) -> dict[np.dtype, int]:
+  out: dict[np.dtype, int] = {}
+  for s in jax.tree.leaves(w.shapes):
+    d = np.dtype(s.dtype)
+    out[d] = out.get(d, 0) + math.prod(s.shape) * d.itemsize
+  return out
 
 
 def bucket_sweep(bench: Bench, w: c.Workload, sizes_mib: tuple[int, ...]
@@ -240,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
   report = c.Report("jpack collectives benchmark")
   c.banner("jpack.bench collectives", [
-      f"{NUM_DEVICES} CPU devices, shard_map over ('{AXIS}',); runs {runs} (median, after 1 "
-      f"warm-up); max_elements {max_elements:,}, max_leaves {max_leaves}"
+      f"{NUM_DEVICES} CPU devices, shard_map over ('{AXIS}',); runs {runs} (median of "
+      f"interleaved rounds, after 1 warm-up); max_elements {max_elements:,}, max_leaves {max_leaves}"
       + (f"; left out (--full): {', '.join(left_out)}" if left_out else "")])
   bench = Bench(runs)
 

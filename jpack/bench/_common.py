@@ -244,14 +244,19 @@ def time_interleaved(calls: dict[str, tuple[Callable, tuple[Any, ...]]], *, runs
   Variants timed one after the other see different host states: the time of one large
   CPU collective moved between 61 and 98 ms from run to run (allocator and page state),
   which swung a ratio against it from 2.8x to 3.9x. In rounds every variant meets the
-  same drifts, so their ratios hold. Outputs are dropped before the next call.
+  same drifts, so their ratios hold; the order rotates from round to round. Outputs are
+  dropped before the next call.
   """
   for f, args in calls.values():
     for _ in range(warmup):
       jax.block_until_ready(f(*args))
   times: dict[str, list[float]] = {key: [] for key in calls}
-  for _ in range(max(1, runs)):
-    for key, (f, args) in calls.items():
+  keys = list(calls)
+  for r in range(max(1, runs)):
+    # Each round starts one variant later: a call slowed by the one before it (a large
+    # output freed, pages to fault back) is not always slowed by the same one.
+    for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+      f, args = calls[key]
       t0 = time.perf_counter()
       out = f(*args)
       jax.block_until_ready(out)

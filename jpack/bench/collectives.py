@@ -159,16 +159,16 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...]
     packed = bench.smap(lambda t: jax.tree.map(lambda b: b[None], jpack.pack(_local(t), layout)),
                         P(AXIS))(tree)
     calls["jpack_packed"] = (bench.smap(lambda p: jpack.pmean(_local(p), AXIS)), packed)
+  rng = np.random.default_rng(1)
   if "floor" in variants:
-    rng = np.random.default_rng(1)
     single = c.place(c.random_numpy((NUM_DEVICES, w.nbytes // 4), np.float32, rng),
                      bench.sharding)
     calls["floor"] = (bench.smap(lambda x: lax.pmean(_local(x), AXIS)), single)
-    per_dtype = _bytes_per_dtype(w)
-    if "floor_dtypes" in variants and set(per_dtype) != {np.dtype(np.float32)}:
-      arrays = [c.place(c.random_numpy((NUM_DEVICES, n // d.itemsize), d, rng), bench.sharding)
-                for d, n in per_dtype.items()]
-      calls["floor_dtypes"] = (bench.smap(lambda xs: lax.pmean(_local(xs), AXIS)), arrays)
+  per_dtype = _bytes_per_dtype(w)
+  if "floor_dtypes" in variants and set(per_dtype) != {np.dtype(np.float32)}:
+    arrays = [c.place(c.random_numpy((NUM_DEVICES, n // d.itemsize), d, rng), bench.sharding)
+              for d, n in per_dtype.items()]
+    calls["floor_dtypes"] = (bench.smap(lambda xs: lax.pmean(_local(xs), AXIS)), arrays)
   compiled = {key: c.compile_fn(*calls[key]) for key in VARIANTS if key in calls}
   # Each variant is timed in rounds with the baselines only: in rounds of all variants,
   # one variant slowed the next (BERT `Packed`: 166 ms, 258 ms when the bf16-wire variant

@@ -22,7 +22,8 @@ from jpack._layout import Layout, _check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
                                _labelled, _LayoutState, _pack_like, _refuse_inner,
-                               _refuse_reduce_in, _retyped, _unpack_as_returned)
+                               _refuse_masked_state, _refuse_reduce_in, _retyped,
+                               _unpack_as_returned)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -102,6 +103,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       local = params
     else:
       local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
+    _refuse_masked_state(inner, local.buckets, "inside jpack.optax.sharded")
     return ShardedState(_labelled(inner, layout).init(local.buckets), layout)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -129,6 +131,10 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       return full, ShardedState(inner_state, layout)
     return _unpack_as_returned(full), ShardedState(inner_state, layout)
 
+  # data_parallel and sharded itself refuse it inside: they reduce the gradients already,
+  # and a second reduce-scatter would add up different devices' slices.
+  update_fn.jpack_reduces_over = axis_name
+  update_fn.jpack_reducer = "sharded"
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -164,6 +170,7 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
     return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
 
   update_fn.global_norm_axis_name = axis_name  # `sharded` refuses None: a slice's norm
+  # data_parallel refuses an axis where every device holds the whole gradient.
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

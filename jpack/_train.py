@@ -19,8 +19,9 @@ from jpack._collectives import (all_gather, assert_same_layout, broadcast, pmean
 from jpack._layout import Layout, _dtype_name, plan
 from jpack._pack import Packed, _flatten_like, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
-from jpack._transforms import (Labels, _after, _check_inner, _firsts, _group_fn_for,
-                               _refuse_inner, _refuse_reduce_in, flat)
+from jpack._transforms import (Labels, _after, _check_inner, _firsts, _functions_in,
+                               _group_fn_for, _refuse_inner, _refuse_masked_state,
+                               _refuse_reduce_in, flat)
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -149,6 +150,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   if mode == "packed":
     _refuse_inner(optimizer, "on the packed params of data_parallel(mode='packed') (use "
                   "mode='allreduce' for it)")
+  if mode != "sharded":
+    _refuse_axis_norm(optimizer, mode)
   if "group_fn" in plan_options:
     raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
                     "label itself (pass labels= with a dict of optimizers, or a plain "
@@ -157,6 +160,11 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
                 **{"num_shards": n, **plan_options})
   _check_trainable(layout)
+  if mode == "packed" and not isinstance(optimizer, Mapping):  # flat checks a dict's
+    _refuse_masked_state(optimizer, tuple(jax.ShapeDtypeStruct((b.size,), b.dtype)
+                                          for b in layout.buckets),
+                         "on the packed params of data_parallel(mode='packed') (use "
+                         "mode='allreduce' for it)")
   packed_params = mode in ("packed", "sharded")
   if mode == "sharded":
     tx = sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
@@ -278,6 +286,21 @@ def _in_flight_bound(mesh: Mesh) -> Callable[[Any], Any]:
     return out
 
   return bounded
+
+
+def _refuse_axis_norm(optimizer: Any, mode: str) -> None:
+  """In every mode but "sharded" each device holds the whole reduced gradient, so a
+  clip_by_global_norm over the axis would sum N copies of its square: clipping by
+  sqrt(N) times the norm."""
+  for fn in _functions_in(optimizer):
+    axis = getattr(fn, "global_norm_axis_name", None)
+    if axis is not None:
+      raise TypeError(
+          f"jpack.optax.clip_by_global_norm(..., {axis!r}) cannot run in "
+          f"data_parallel(mode={mode!r}): every device holds the whole gradient there, so "
+          "summing over the axis would clip by sqrt(N) times its norm. Use "
+          "jpack.optax.clip_by_global_norm(max_norm) without an axis (or "
+          "optax.clip_by_global_norm); the axis is for mode='sharded'.")
 
 
 def _check_trainable(layout: Layout) -> None:

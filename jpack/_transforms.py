@@ -63,6 +63,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
                   **options), state
 
   update_fn.jpack_reduces_over = axis_name  # data_parallel / sharded refuse a second reduce
+  update_fn.jpack_reducer = "allreduce"
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -185,6 +186,7 @@ def flat(inner: Inner, *, labels: Labels = None,
 
   def init_fn(params):
     packed = _pack(params, labels, plan_options)
+    _refuse_masked_state(inner, packed.buckets, "inside jpack.optax.flat")
     return FlatState(_labelled(inner, packed.layout).init(packed.buckets), packed.layout)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -359,6 +361,29 @@ def _refuse_inner(inner: Any, where: str, *, slices: bool = False) -> None:
           "gradient is sharded over: jpack.optax.clip_by_global_norm(max_norm, axis_name).")
 
 
+def _refuse_masked_state(inner: Inner, buckets: Any, where: str) -> None:
+  """Raise TypeError if ``inner`` (each of a dict's transformations) keeps a masked or
+  multi-transform state when initialised on ``buckets``: a mask built at update time
+  (``optax.inject_hyperparams(optax.adamw)(1e-3, mask=fn)``) hides from `_refuse_inner`,
+  and on 1-D buckets ``fn`` would select something else (no leaf is 2-D: no decay)."""
+  structs = jax.tree.map(lambda b: jax.ShapeDtypeStruct(np.shape(b), b.dtype), buckets)
+  for t in (inner.values() if isinstance(inner, Mapping) else (inner,)):
+    state = jax.eval_shape(t.init, structs)
+    found = [x for x in jax.tree.leaves(state, is_leaf=_is_leafwise_state)
+             if _is_leafwise_state(x)]
+    if found:
+      raise TypeError(
+          f"The optimizer keeps a {type(found[0]).__name__} (a mask or labels chosen per "
+          f"leaf, e.g. adamw(mask=...) built through optax.inject_hyperparams), which "
+          f"cannot run {where}: its mask would see 1-D buckets that mix many leaves and "
+          "silently select something else. Use labels= with a dict of transformations, "
+          "or jpack.optax.allreduce followed by the optimizer on the tree.")
+
+
+def _is_leafwise_state(x: Any) -> bool:
+  return isinstance(x, (optax.MaskedState, optax.MultiTransformState))
+
+
 def _refuse_reduce_in(inner: Any, where: str) -> None:
   """Raise TypeError if ``inner`` holds `allreduce`: ``where`` already reduces the
   gradients, so a second reduce is wasted (mean) or multiplies them by N (sum), and on
@@ -366,10 +391,10 @@ def _refuse_reduce_in(inner: Any, where: str) -> None:
   for fn in _functions_in(inner):
     if getattr(fn, "jpack_reduces_over", None) is not None:
       raise TypeError(
-          f"jpack.optax.allreduce cannot run {where}: the gradients are already reduced "
-          "there, so it would reduce them a second time (mean: wasted collectives; sum: "
-          "N times the gradient; on ZeRO-1 slices: a sum of different slices). Pass the "
-          "optimizer without it.")
+          f"jpack.optax.{fn.jpack_reducer} cannot run {where}: the gradients are already "
+          "reduced there, so it would reduce them a second time (mean: wasted "
+          "collectives; sum: N times the gradient; on ZeRO-1 slices: a sum of different "
+          "slices). Pass the optimizer without it.")
 
 
 def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):

@@ -382,6 +382,50 @@ def test_init_can_be_traced_by_eval_shape_and_jit(mode, use_pmap):
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded", "per_leaf"])
+def test_a_zero1_optimizer_inside_the_step_is_refused(mode):
+  # jpack.optax.sharded reduce-scatters too: inside mode="sharded" it re-planned each
+  # device's slice and summed different devices' slices (wrong params, silently).
+  params = init_cnn(jax.random.key(0))
+  with pytest.raises(TypeError, match="jpack.optax.sharded cannot run inside data_parallel"):
+    jpack.data_parallel(loss_fn, jpack.optax.sharded(optax.sgd(1e-2), "batch"), params,
+                        mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "packed", "per_leaf", "ravel"])
+def test_clipping_over_the_axis_is_refused_where_the_gradient_is_whole(mode):
+  # Every device holds the whole gradient outside mode="sharded": a norm summed over
+  # the axis was sqrt(8) times too big, so updates were clipped to 1/sqrt(8).
+  params = init_cnn(jax.random.key(0))
+  tx = optax.chain(jpack.optax.clip_by_global_norm(1.0, "batch"), optax.sgd(1.0))
+  with pytest.raises(TypeError, match=r"clip_by_global_norm\(\.\.\., 'batch'\) cannot run"):
+    jpack.data_parallel(loss_fn, tx, params, mode=mode)
+  jpack.data_parallel(loss_fn, tx, params, mode="sharded")  # slices: the axis is right
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_a_mask_built_at_update_time_is_refused_on_buckets(mode):
+  # inject_hyperparams builds adamw(mask=fn) at every update, so the name walk never saw
+  # optax.masked; on 1-D buckets no leaf has ndim > 1 and weight decay was dropped.
+  params = init_cnn(jax.random.key(0))
+  tx = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+      learning_rate=1e-2, weight_decay=0.1,
+      mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+  with pytest.raises(TypeError, match="keeps a MaskedState"):  # packed: when built
+    jpack.data_parallel(loss_fn, tx, params, mode=mode).init(params)
+  flat = jpack.optax.flat(tx)
+  with pytest.raises(TypeError, match="keeps a MaskedState"):
+    flat.init(params)
+  # The same optimizer on the tree (mode="allreduce") matches plain optax.
+  dp = jpack.data_parallel(loss_fn, tx, params, mode="allreduce")
+  state = dp.init(params)
+  x, y = data(1)
+  state, _ = dp.step(state, (x[0], y[0]))
+  want, _ = reference(params, 1, tx)
+  for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded", "per_leaf"])
 def test_an_optimizer_that_reduces_again_is_refused(mode):
   # The step reduces the gradients itself: a jpack.optax.allreduce in the optimizer
   # would reduce them twice (with mean=False, N times the gradient).

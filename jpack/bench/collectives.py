@@ -190,6 +190,7 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...]
       medians[k].append(timings[k].median_s)
   for k in baselines:
     fastest = min(medians[k])
+    # median_s and min_s both hold that fastest median; runs counts the medians compared.
     results[k] = Result(k, compiled[k], c.Timing(fastest, fastest, len(medians[k])),
                         c.count_collectives(compiled[k].text()))
   for key in (k for k in VARIANTS if k in results):
@@ -314,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
   # -- main table ----------------------------------------------------------------------
   t1 = c.Table(["workload", "variant", "run ms", "vs per-leaf", "vs floor", "lower s",
                 "compile s", "C vs per-leaf", "HLO collectives"],
-               title=f"pmean over {NUM_DEVICES} CPU devices (median run; C = lower + compile; "
-                     "vs = time ratio, lower is better)")
+               title=f"pmean over {NUM_DEVICES} CPU devices (median run; per-leaf and floor: "
+                     "the fastest median they reached, a conservative baseline; C = lower + "
+                     "compile; vs = time ratio, lower is better)")
   for name, res in all_results.items():
     w = workloads[name]
     label = _label(name, w)
@@ -361,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     sw_name = _label(args.sweep_workload, sw)
     base = all_results.get(args.sweep_workload, {})
     t3 = c.Table(["bucket_bytes", "method", "buckets", "run ms", "vs per-leaf", "vs floor",
-                  "compile s", "HLO collectives"],
-                 title=f"Bucket-size sweep, jpack.pmean on {sw_name}")
+                  "C s", "HLO collectives"],
+                 title=f"Bucket-size sweep, jpack.pmean on {sw_name} (timed back to back after "
+                       "the main table, against its baselines: compare the rows with each "
+                       "other; C = lower + compile)")
     for mib, method, layout, r in sweep:
       pl, fl = base.get("per_leaf"), base.get("floor")
       t3.add(f"{mib} MiB", method, len(layout.buckets), c.fmt_ms(r.run_s),

@@ -52,7 +52,9 @@ class TrainState(NamedTuple):
       offsets; as arguments of the compiled step rather than constants, they let XLA
       compile one kernel per slice shape instead of one per slice (the allreduce step
       of MLP 40x256 compiled in 5.9 s instead of 10.1 s). Keep them when restoring a
-      checkpoint (``fresh_state._replace(params=..., opt_state=..., step=...)``).
+      checkpoint (``fresh_state._replace(params=..., opt_state=..., step=...)``; in
+      the "packed" and "sharded" modes ``params`` is a `jpack.Packed`:
+      ``jpack.pack(tree, dp.layout)``, and a tree there is refused by ``step``).
   """
   params: Any
   opt_state: Any
@@ -238,7 +240,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     return unpack(state.params) if packed_params else state.params
 
   if use_pmap:
-    return _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh)
+    return _checking_params(
+        _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh), mode)
 
   replicated = NamedSharding(mesh, P())
   state_shapes = jax.eval_shape(
@@ -266,7 +269,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
-  return DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout)
+  return _checking_params(
+      DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout), mode)
 
 
 def _in_flight_bound(mesh: Mesh) -> Callable[[Any], Any]:
@@ -375,6 +379,26 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
   return TrainState(jax.tree.map(lambda _: P(), state_shapes.params),
                     jax.tree.map(opt_spec, state_shapes.opt_state),
                     P(), jax.tree.map(lambda _: P(), state_shapes.offsets))
+
+
+def _checking_params(dp: DataParallel, mode: str) -> DataParallel:
+  """``dp`` whose step says what is wrong with a tree put where packed modes keep a
+  `Packed` (``fresh._replace(params=tree)`` when restoring): shard_map's own error is a
+  pytree-prefix mismatch."""
+  if mode not in ("packed", "sharded"):
+    return dp
+  inner = dp.step
+
+  def step(state, batch):
+    if isinstance(state, TrainState) and not isinstance(state.params, Packed):
+      raise TypeError(
+          f"TrainState.params is a {type(state.params).__name__}, but data_parallel("
+          f"mode={mode!r}) keeps the params as a jpack.Packed: use dp.init(params) for a "
+          "new state, or jpack.pack(params, dp.layout) when restoring "
+          "(state._replace(params=jpack.pack(tree, dp.layout))).")
+    return inner(state, batch)
+
+  return dp._replace(step=step)
 
 
 def _check_not_donated(state: TrainState) -> None:

@@ -499,3 +499,17 @@ def test_init_checks_params_against_the_layout_and_group_fn_is_refused():
     dp.init({"w": params["w"], "b": np.zeros(2, np.float64)})
   with pytest.raises(TypeError, match="labels=, not group_fn="):
     jpack.data_parallel(loss, optax.sgd(0.1), params, group_fn=lambda p, x: "a")
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_a_tree_where_packed_modes_keep_a_packed_gets_a_clear_error(mode):
+  params = init_cnn(jax.random.key(0))
+  dp = jpack.data_parallel(loss_fn, optax.sgd(1e-2), params, mode=mode)
+  fresh = dp.init(params)
+  x, y = data(1)
+  with pytest.raises(TypeError, match=r"TrainState.params is a dict.*jpack.pack\(tree, dp.layout\)"):
+    dp.step(fresh._replace(params=params), (x[0], y[0]))
+  state, _ = dp.step(fresh._replace(params=jpack.pack(params, dp.layout)), (x[0], y[0]))
+  want, _ = reference(params, 1, optax.sgd(1e-2))
+  for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)

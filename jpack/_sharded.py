@@ -133,7 +133,6 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
 
   # data_parallel and sharded itself refuse it inside: they reduce the gradients already,
   # and a second reduce-scatter would add up different devices' slices.
-  update_fn.jpack_reduces_over = axis_name
   update_fn.jpack_reducer = "sharded"
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

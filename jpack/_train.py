@@ -240,8 +240,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     return unpack(state.params) if packed_params else state.params
 
   if use_pmap:
-    return _checking_params(
-        _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh), mode)
+    return _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mode)
 
   replicated = NamedSharding(mesh, P())
   state_shapes = jax.eval_shape(
@@ -264,13 +263,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   bounded = _in_flight_bound(mesh)
 
   def step(state, batch):
-    _check_not_donated(state)
+    _check_state(state, mode)
     return bounded(step_sm(state, _place_batch(batch, batch_sharding, axis_name)))
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
-  return _checking_params(
-      DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout), mode)
+  return DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout)
 
 
 def _in_flight_bound(mesh: Mesh) -> Callable[[Any], Any]:
@@ -381,30 +379,19 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
                     P(), jax.tree.map(lambda _: P(), state_shapes.offsets))
 
 
-def _checking_params(dp: DataParallel, mode: str) -> DataParallel:
-  """``dp`` whose step says what is wrong with a tree put where packed modes keep a
-  `Packed` (``fresh._replace(params=tree)`` when restoring): shard_map's own error is a
-  pytree-prefix mismatch."""
-  if mode not in ("packed", "sharded"):
-    return dp
-  inner = dp.step
-
-  def step(state, batch):
-    if isinstance(state, TrainState) and not isinstance(state.params, Packed):
-      raise TypeError(
-          f"TrainState.params is a {type(state.params).__name__}, but data_parallel("
-          f"mode={mode!r}) keeps the params as a jpack.Packed: use dp.init(params) for a "
-          "new state, or jpack.pack(params, dp.layout) when restoring "
-          "(state._replace(params=jpack.pack(tree, dp.layout))).")
-    return inner(state, batch)
-
-  return dp._replace(step=step)
-
-
-def _check_not_donated(state: TrainState) -> None:
-  """A state already passed to ``step`` was donated to it: on several CPU devices,
-  jax 0.10.2 kills the process (segfault) when a deleted buffer is donated again. The
-  step counter is donated with the rest, so it tells without flattening the state."""
+def _check_state(state: TrainState, mode: str) -> None:
+  """What ``step`` can tell about a state before it traces: a tree where the packed
+  modes keep a `Packed` (``fresh._replace(params=tree)`` when restoring; shard_map's own
+  error is a pytree-prefix mismatch), and a state already passed to ``step``, which
+  donated it: on several CPU devices jax 0.10.2 kills the process (segfault) when a
+  deleted buffer is donated again. The step counter is donated with the rest, so it
+  tells without flattening the state."""
+  if mode in ("packed", "sharded") and not isinstance(state.params, Packed):
+    raise TypeError(
+        f"TrainState.params is a {type(state.params).__name__}, but data_parallel("
+        f"mode={mode!r}) keeps the params as a jpack.Packed: use dp.init(params) for a "
+        "new state, or jpack.pack(params, dp.layout) when restoring "
+        "(state._replace(params=jpack.pack(tree, dp.layout))).")
   counter = state.step
   if (isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer)
       and counter.is_deleted()):
@@ -427,7 +414,7 @@ def _aux_to_mean(aux: Any) -> Any:
   return jax.tree_util.tree_map_with_path(one, aux)
 
 
-def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
+def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mode):
   devices = list(mesh.devices.flat)
   init_p = jax.pmap(local_init, axis_name=axis_name, devices=devices)
   step_p = jax.pmap(local_step, axis_name=axis_name, devices=devices, donate_argnums=0)
@@ -452,7 +439,7 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh):
   bounded = _in_flight_bound(mesh)
 
   def step(state, batch):
-    _check_not_donated(state)
+    _check_state(state, mode)
     batch = jax.tree_util.tree_map_with_path(split, batch)
     state, metrics = bounded(step_p(state, batch))
     return state, jax.tree.map(lambda m: m[0], metrics)

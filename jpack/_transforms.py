@@ -62,8 +62,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     return reduce(updates, axis_name, comm_dtype=comm_dtype, method=method,
                   **options), state
 
-  update_fn.jpack_reduces_over = axis_name  # data_parallel / sharded refuse a second reduce
-  update_fn.jpack_reducer = "allreduce"
+  update_fn.jpack_reducer = "allreduce"  # data_parallel / sharded refuse a second reduce
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -385,11 +384,11 @@ def _is_leafwise_state(x: Any) -> bool:
 
 
 def _refuse_reduce_in(inner: Any, where: str) -> None:
-  """Raise TypeError if ``inner`` holds `allreduce`: ``where`` already reduces the
+  """Raise TypeError if ``inner`` holds `allreduce` or `sharded`: ``where`` already reduces the
   gradients, so a second reduce is wasted (mean) or multiplies them by N (sum), and on
   ZeRO-1 slices it adds up different devices' slices."""
   for fn in _functions_in(inner):
-    if getattr(fn, "jpack_reduces_over", None) is not None:
+    if getattr(fn, "jpack_reducer", None) is not None:
       raise TypeError(
           f"jpack.optax.{fn.jpack_reducer} cannot run {where}: the gradients are already "
           "reduced there, so it would reduce them a second time (mean: wasted "

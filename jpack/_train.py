@@ -97,7 +97,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       `jpack.optax.allreduce` in it is refused), or a dict ``{label: optimizer}`` with
       ``labels``.
     params_like: the params tree, or a tree of `jax.ShapeDtypeStruct`; fixes the layout.
-    mesh: a 1-D `jax.sharding.Mesh` whose axis is ``axis_name`` (default: all devices).
+    mesh: a 1-D `jax.sharding.Mesh` whose axis is ``axis_name`` (default: all devices);
+      other axes of size 1 are allowed, larger ones are refused.
     axis_name: the data-parallel axis.
     mode: how gradients are reduced:
       ``"packed"`` (default) params live as a `jpack.Packed`; the loss unpacks them, so
@@ -147,6 +148,14 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                          axis_types=(jax.sharding.AxisType.Explicit,))
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+  others = {a: k for a, k in mesh.shape.items() if a != axis_name and k > 1}
+  if others:
+    # The step would run replicated over the other axes, and the batch and state specs
+    # would name only one of them: refuse rather than compute the same step k times.
+    raise ValueError(f"data_parallel needs a 1-D mesh over {axis_name!r}; the mesh "
+                     f"{dict(mesh.shape)} also has axes {others} of size > 1. Pass a mesh "
+                     f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
+                     f"({axis_name!r},)).")
   _check_inner(optimizer, labels)
   _refuse_reduce_in(optimizer, "inside data_parallel's optimizer (the step reduces)")
   if mode == "packed":

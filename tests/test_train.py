@@ -323,6 +323,24 @@ def test_bad_mode_and_axis():
     jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mesh)
 
 
+@pytest.mark.parametrize("use_pmap", [False, True])
+def test_a_mesh_with_a_second_axis_trains_when_that_axis_has_size_one(use_pmap):
+  params = init_cnn(jax.random.key(0))
+  want, want_losses = reference(params, 2, optax.adam(1e-2))
+  with pytest.raises(ValueError, match=r"1-D mesh over 'batch'.*axes \{'model': 2\}"):
+    jpack.data_parallel(loss_fn, optax.adam(1e-2), params,
+                        jax.make_mesh((4, 2), ("batch", "model")))
+  mesh = jax.make_mesh((8, 1), ("batch", "model"))
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, use_pmap=use_pmap)
+  state = dp.init(params)
+  x, y = data(2)
+  for i in range(2):  # host batches: split over the 8 devices of 'batch'
+    state, metrics = dp.step(state, (x[i], y[i]))
+    np.testing.assert_allclose(float(metrics["loss"]), want_losses[i], rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
 _UNSYNCED_LOOP = """
 import jax, jax.numpy as jnp, numpy as np, optax, jpack
 jax.config.update("jax_num_cpu_devices", 8)

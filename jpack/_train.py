@@ -271,8 +271,14 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   bounded = _in_flight_bound(mesh)
 
+  opt_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs.opt_state,
+                               is_leaf=lambda x: isinstance(x, P))
+
   def step(state, batch):
     _check_state(state, mode)
+    if mode == "sharded":  # a restored or host copy of the slices: split them again
+      state = state._replace(opt_state=jax.tree.map(_place_slices, state.opt_state,
+                                                    opt_shardings))
     return bounded(step_sm(state, _place_batch(batch, batch_sharding, axis_name)))
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
@@ -359,6 +365,20 @@ def _check_splits(path: Any, shape: tuple[int, ...], devices: int, axis_name: st
         f"Batch leaf at {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; its "
         f"leading (batch) dimension must split evenly over this process's {devices} "
         f"devices of axis {axis_name!r}.")
+
+
+def _place_slices(x: Any, sharding: NamedSharding) -> Any:
+  """A ZeRO-1 state leaf with the sharding the step expects. Already placed (the usual
+  case, every step) it is returned as is; a host value or an array placed otherwise holds
+  the whole (global) leaf, as `jax.device_get` of a state gives, and is split again."""
+  if isinstance(x, jax.core.Tracer):
+    return jax.reshard(x, sharding)
+  if isinstance(x, jax.Array) and (x.sharding == sharding or not x.is_fully_addressable):
+    return x  # a global array placed otherwise: shard_map names the mismatch
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  value = np.asarray(x)
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:

@@ -531,3 +531,24 @@ def test_a_tree_where_packed_modes_keep_a_packed_gets_a_clear_error(mode):
   want, _ = reference(params, 1, optax.sgd(1e-2))
   for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mesh_axis_type", ["default", "Auto"])
+@pytest.mark.parametrize("mode", ["sharded", "packed", "allreduce"])
+def test_a_host_copy_of_the_state_steps_on(mode, mesh_axis_type):
+  # jax.device_get(state) (a checkpoint read back as numpy): ZeRO-1's slices arrive
+  # whole and are split over the axis again by the step.
+  params = init_cnn(jax.random.key(0))
+  want, want_losses = reference(params, 3, optax.adam(1e-2))
+  mesh = (None if mesh_axis_type == "default" else
+          jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,)))
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode=mode)
+  x, y = data(3)
+  state, _ = dp.step(dp.init(params), (x[0], y[0]))
+  host = jax.device_get(state)
+  assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(host.opt_state))
+  for i in (1, 2):
+    host, metrics = dp.step(host, (x[i], y[i]))
+    np.testing.assert_allclose(float(metrics["loss"]), want_losses[i], rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(dp.params(host)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="number of simulated CPU devices (data-parallel replicas); "
                          "default %(default)s")
   demo.add_argument("--steps", type=_positive_int, default=None,
-                    help=f"training steps per mode (default {DEFAULT_STEPS}, "
+                    help=f"training steps per mode, at least 2 (default {DEFAULT_STEPS}, "
                          f"{QUICK_STEPS} with --quick)")
   demo.add_argument("--batch-size", type=_positive_int, default=256,
                     help="global batch size, split over the devices (must divide evenly); "
@@ -123,6 +123,12 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                  f"{args.devices}")
   steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick
                                                       else DEFAULT_STEPS)
+  if steps < 2:
+    parser.error(f"--steps {steps}: give at least 2 (the first step compiles and is not "
+                 "timed)")
+  out = pathlib.Path(args.out)
+  if out.exists() and not out.is_dir():
+    parser.error(f"--out {args.out!r} exists and is not a directory")
   from jpack import _demo
 
   try:

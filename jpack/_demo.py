@@ -234,6 +234,11 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
     raise ValueError(f"batch size {batch_size} must be divisible by devices {devices}")
   if comm_dtype not in COMM_DTYPES:
     raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
+  if steps < 2:  # the first step compiles: step times need a second one
+    raise ValueError(f"steps must be >= 2 (the first step compiles), got {steps}")
+  out_dir = pathlib.Path(out)
+  if out_dir.exists() and not out_dir.is_dir():  # found now, not after training
+    raise ValueError(f"out {str(out_dir)!r} exists and is not a directory")
 
   t_start = time.perf_counter()
   devs = setup_devices(devices)
@@ -305,7 +310,6 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
 
   say("")
   say(format_table(results))
-  out_dir = pathlib.Path(out)
   out_dir.mkdir(parents=True, exist_ok=True)
   png = plot(results, out_dir / "jpack-demo.png",
              title=f"jpack demo: digits MLP, {devices} CPU devices, batch {batch_size}")
@@ -322,7 +326,8 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
 def format_table(results: Sequence[ModeResult]) -> str:
   """The comparison table (plain text, aligned)."""
   base = next((r for r in results if r.mode == BASELINE), results[0] if results else None)
-  header = ("mode", "step ms (median)", f"vs {base.mode if base else BASELINE}", "compile s",
+  header = ("mode", "step ms (median)", f"speed-up vs {base.mode if base else BASELINE}",
+            "compile s",
             "collectives AR/RS/AG/A2A [arrays]", "grad bytes/step", "opt state/device",
             "final loss", "test acc")
   rows = []
@@ -343,6 +348,8 @@ def format_table(results: Sequence[ModeResult]) -> str:
   sep = "-+-".join("-" * w for w in widths)
   notes = ("step ms: median wall time per step, first (compiling) step excluded; "
            "compile s: the first step.\n"
+           f"speed-up: {base.mode if base else BASELINE}'s step ms / this mode's "
+           "(above 1x: faster).\n"
            "collectives: ops in the compiled step (all-reduce / reduce-scatter / all-gather / "
            "all-to-all), loss mean included;\n  [arrays]: how many arrays they move (XLA may merge "
            "several collectives into one op on a tuple).")

@@ -64,3 +64,24 @@ def test_unknown_benchmark_is_a_clear_error():
   out = subprocess.run([sys.executable, "-m", "jpack.bench", "nope"], capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 2 and "Unknown benchmark" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["collectives", "--runs", "0"], "must be >= 1"),
+    (["collectives", "--workloads", "resnet5"], "unknown workload(s) 'resnet5'"),
+    (["collectives", "--workloads", "small_abc"], "small_N, N a positive number"),
+    (["collectives", "--sweep-workload", "nope"], "--sweep-workload: unknown workload"),
+    (["collectives", "--markdown", "/no/such/dir/c.md"], "does not exist"),
+    (["pack", "--workloads", "gpt3"], "unknown workload(s) 'gpt3'"),
+    (["pack", "--max-leaves", "-1"], "must be >= 1"),
+    (["step", "--steps", "-1"], "must be >= 1"),
+    (["step", "--blocks", "0"], "must be >= 1"),
+    (["step", "--solo-bytes", "-5"], "--solo-bytes must be >= 0"),
+])
+def test_bad_benchmark_flags_fail_before_running(args, message):
+  out = subprocess.run([sys.executable, "-m", "jpack.bench", *args], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode != 0, out.stdout
+  assert message in out.stdout + out.stderr, out.stdout + out.stderr
+  assert "Traceback" not in out.stderr
+  assert "machine:" not in out.stdout  # refused before the banner, not after a run

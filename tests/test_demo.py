@@ -29,6 +29,7 @@ def test_demo_quick_runs_all_modes(tmp_path):
   assert proc.returncode == 0, proc.stdout + proc.stderr
   text = proc.stdout
   assert "mode" in text and "step ms (median)" in text and "test acc" in text, text
+  assert "speed-up vs per_leaf" in text and "(above 1x: faster)" in text, text
   assert "Parameter layout" in text and "bucket" in text, text
   table = text[text.index("step ms (median)"):]
   for mode in ALL_MODES:
@@ -67,6 +68,7 @@ def test_demo_quick_runs_all_modes(tmp_path):
     (["demo", "--devices", "0"], "must be >= 1"),
     (["demo", "--steps", "0"], "must be >= 1"),
     (["demo", "--steps", "ten"], "expected a positive integer"),
+    (["demo", "--steps", "1"], "give at least 2"),
     (["demo", "--comm-dtype", "int8"], "invalid choice"),
     (["demo", "--bucket-mib", "-1"], "positive number"),
     (["demo", "--devices", "3", "--batch-size", "256"], "divisible"),
@@ -79,6 +81,19 @@ def test_bad_flags_exit_with_a_clear_message(argv, message, capsys):
     cli.main(argv)
   assert info.value.code != 0
   assert message in capsys.readouterr().err
+
+
+def test_an_out_path_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+  taken = tmp_path / "results"
+  taken.write_text("not a directory")
+  with pytest.raises(SystemExit):
+    cli.main(["demo", "--out", str(taken)])
+  assert "exists and is not a directory" in capsys.readouterr().err
+  from jpack import _demo
+  with pytest.raises(ValueError, match="not a directory"):
+    _demo.run(out=taken)
+  with pytest.raises(ValueError, match="steps must be >= 2"):
+    _demo.run(steps=1, out=tmp_path / "new")
 
 
 def test_bad_flags_in_a_subprocess():
@@ -123,8 +138,8 @@ def test_layout_of_a_bad_workload_file_is_a_clear_error(tmp_path, capsys, leaves
   assert message in err and "Traceback" not in err
 
 
-def test_missing_demo_extra_says_what_to_install(monkeypatch, capsys):
+def test_missing_demo_extra_says_what_to_install(monkeypatch, capsys, tmp_path):
   monkeypatch.setitem(sys.modules, "sklearn", None)
   monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-  assert cli.main(["demo", "--steps", "1", "--no-progress"]) == 1
+  assert cli.main(["demo", "--steps", "2", "--no-progress", "--out", str(tmp_path)]) == 1
   assert "pip install 'jpack[demo]'" in capsys.readouterr().err

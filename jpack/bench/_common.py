@@ -6,6 +6,7 @@ Nothing here touches JAX's backend at import time, so an entry point can still s
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
 import gc
@@ -13,6 +14,7 @@ import importlib.resources
 import json
 import math
 import os
+import pathlib
 import platform
 import re
 import statistics
@@ -23,6 +25,40 @@ import jax
 import numpy as np
 
 from jpack._hlo import Collectives, count_collectives  # noqa: F401  (the benches use both)
+
+# -- command-line arguments -------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+  """argparse type: an integer >= 1 (0 or -1 runs would divide by zero or crash late)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def markdown_path(text: str) -> str:
+  """argparse type: a file path whose directory exists, checked before the benchmark
+  runs for minutes and fails at the end."""
+  path = pathlib.Path(text)
+  if path.is_dir():
+    raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
+  if not path.parent.is_dir():
+    raise argparse.ArgumentTypeError(f"directory {str(path.parent)!r} of {text!r} does not exist")
+  return text
+
+
+def check_workload_names(names: list[str], flag: str, extra: tuple[str, ...] = ()) -> None:
+  """Exit with the list of choices if a name is not a packaged workload (or in ``extra``)."""
+  known = set(_available()) | set(extra)
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise SystemExit(f"{flag}: unknown workload(s) {', '.join(map(repr, unknown))}; "
+                     f"available: {', '.join(sorted(known))}")
+
 
 # -- workloads -------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ slowing the baselines down:
 
     python -m jpack.bench collectives              # big workloads cut to ~26 M elements (~10 min)
     python -m jpack.bench collectives --full       # + many_small_4000 (compile-bound, +10 min)
-    python -m jpack.bench collectives --quick      # small subsets, 3 runs (~2 min)
+    python -m jpack.bench collectives --quick      # small subsets, 5 runs (~2 min)
     python -m jpack.bench collectives --workloads resnet50 --markdown coll.md
 """
 
@@ -244,14 +244,16 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"{', '.join(QUICK_WORKLOADS)} cut to <= {QUICK_MAX_LEAVES} leaves / "
                            f"{QUICK_MAX_ELEMENTS / 1e6:g} M elements, synthetic tree of "
                            f"{QUICK_SMALL_LEAVES} leaves, 5 runs, sweep on 1/4 MiB")
-  parser.add_argument("--runs", type=int, default=None, help="timed runs (median; default 5)")
-  parser.add_argument("--max-elements", type=int, default=None,
+  parser.add_argument("--runs", type=c.positive_int, default=None,
+                      help="timed runs (median; default 5)")
+  parser.add_argument("--max-elements", type=c.positive_int, default=None,
                       help=f"elements kept per workload (default {DEFAULT_MAX_ELEMENTS:,}: "
                            "ResNet-50 whole, the others cut)")
-  parser.add_argument("--max-leaves", type=int, default=None, help="leaves kept per workload")
+  parser.add_argument("--max-leaves", type=c.positive_int, default=None,
+                      help="leaves kept per workload")
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help=f"comma-separated subset of {', '.join(VARIANTS)}")
-  parser.add_argument("--slow-leaves", type=int, default=1000,
+  parser.add_argument("--slow-leaves", type=c.positive_int, default=1000,
                       help="above this many leaves run only " + ", ".join(SLOW_VARIANTS)
                            + " (default 1000)")
   parser.add_argument("--all-variants", action="store_true",
@@ -259,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--full", action="store_true",
                       help=f"also run {', '.join(FULL_ONLY)} (compile-bound: adds ~10 min)")
   parser.add_argument("--no-sweep", action="store_true", help="skip the bucket-size sweep")
-  parser.add_argument("--sweep-workload", default="resnet50")
-  parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+  parser.add_argument("--sweep-workload", default=None,
+                      help="workload of the bucket-size sweep (default: resnet50 when it "
+                           "is selected, else no sweep)")
+  parser.add_argument("--markdown", metavar="FILE", type=c.markdown_path,
+                      help="also write the tables as Markdown")
   args = parser.parse_args(argv)
   c.require_devices(NUM_DEVICES)
 
@@ -276,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
   if unknown:
     raise SystemExit(f"Unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
   names = [n for n in args.workloads.split(",") if n]
+  bad_small = [n for n in names if n.startswith("small_")
+               and not (n[len("small_"):].isdigit() and int(n[len("small_"):]) > 0)]
+  if bad_small:
+    raise SystemExit(f"--workloads: {', '.join(map(repr, bad_small))}: a synthetic tree is "
+                     "named small_N, N a positive number of leaves (e.g. small_1000)")
+  c.check_workload_names([n for n in names if not n.startswith("small_")], "--workloads",
+                         extra=("small_N",))
+  if args.sweep_workload is not None:
+    c.check_workload_names([args.sweep_workload], "--sweep-workload")
   left_out = []
   if not names:
     names = [small.name] + list(QUICK_WORKLOADS if args.quick else c.workload_names())
@@ -308,8 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     all_results[name], layouts[name] = bench_workload(bench, w, chosen)
 
   sweep = []
-  if not args.no_sweep:
-    sw = c.load_workload(args.sweep_workload, max_leaves=max_leaves, max_elements=max_elements)
+  sweep_name = args.sweep_workload or ("resnet50" if "resnet50" in names else None)
+  if not args.no_sweep and sweep_name is None:
+    print("\nNo bucket-size sweep: resnet50 is not among the workloads "
+          "(--sweep-workload NAME runs it on another).", flush=True)
+  if not args.no_sweep and sweep_name is not None:
+    sw = c.load_workload(sweep_name, max_leaves=max_leaves, max_elements=max_elements)
     sweep = bucket_sweep(bench, sw, sweep_mib)
 
   # -- main table ----------------------------------------------------------------------
@@ -360,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
 
   # -- sweep -------------------------------------------------------------------------
   if sweep:
-    sw_name = _label(args.sweep_workload, sw)
-    base = all_results.get(args.sweep_workload, {})
+    sw_name = _label(sweep_name, sw)
+    base = all_results.get(sweep_name, {})
     t3 = c.Table(["bucket_bytes", "method", "buckets", "run ms", "vs per-leaf", "vs floor",
                   "C s", "HLO collectives"],
                  title=f"Bucket-size sweep, jpack.pmean on {sw_name} (timed back to back after "
@@ -408,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
            "  HLO collectives: AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all ops in "
            "compiled.as_text() (per-leaf pmeans are merged by XLA into one tuple all-reduce).",
            "  Practical floor for a standalone call returning N leaves ~ floor + 'x*2 local' "
-           "(per-buffer cost; see shared/README.md)."]
+           "(per-buffer cost; see docs/performance.md)."]
   notes.append("  bf16 wire: XLA:CPU widens bf16 collectives to f32, so jpack sends a narrow "
                "wire as u16 bits (all-to-all + local f32 sum, all-gather of the bf16 result); "
                "the HLO columns show the bytes that really travel.")

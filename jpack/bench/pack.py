@@ -167,18 +167,19 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--quick", action="store_true",
                       help=f"subset every workload to <= {QUICK_MAX_LEAVES} leaves and "
                            f"{QUICK_MAX_ELEMENTS / 1e6:g} M elements, {QUICK_RUNS} runs")
-  parser.add_argument("--runs", type=int, default=None, help="timed runs per op (median; default 7)")
-  parser.add_argument("--max-leaves", type=int, default=None, help="keep at most this many leaves")
-  parser.add_argument("--max-elements", type=int, default=None,
+  parser.add_argument("--runs", type=c.positive_int, default=None, help="timed runs per op (median; default 7)")
+  parser.add_argument("--max-leaves", type=c.positive_int, default=None, help="keep at most this many leaves")
+  parser.add_argument("--max-elements", type=c.positive_int, default=None,
                       help="keep at most this many elements per workload")
   parser.add_argument("--skip-slow", action="store_true",
                       help="skip unpack and unravel (one XLA:CPU kernel per output slice: "
                            "~30 s compile at 4000 leaves) for workloads with more than "
                            "--slow-leaves leaves")
-  parser.add_argument("--slow-leaves", type=int, default=1000,
+  parser.add_argument("--slow-leaves", type=c.positive_int, default=1000,
                       help="leaf count above which --skip-slow applies (default 1000)")
-  parser.add_argument("--plan-runs", type=int, default=20, help="runs of jpack.plan (median)")
-  parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+  parser.add_argument("--plan-runs", type=c.positive_int, default=20, help="runs of jpack.plan (median)")
+  parser.add_argument("--markdown", metavar="FILE", type=c.markdown_path,
+                      help="also write the tables as Markdown")
   args = parser.parse_args(argv)
 
   max_leaves = args.max_leaves if args.max_leaves is not None else (
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
       QUICK_MAX_ELEMENTS if args.quick else None)
   runs = args.runs if args.runs is not None else (QUICK_RUNS if args.quick else 7)
   names = [n for n in args.workloads.split(",") if n] or c.workload_names()
+  c.check_workload_names(names, "--workloads")
 
   report = c.Report("jpack pack / unpack benchmark")
   c.banner("jpack.bench pack", [
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
   # -- table 1: every op ------------------------------------------------------------
   t1 = c.Table(["workload", "op", "output", "run ms", "lower s", "compile s",
                 "run/max(a,b)", "compile/per-leaf"],
-               title="Run time (median) and compile time per op; compile = lower + compile")
+               title="Run time (median) and compile time per op; compile/per-leaf compares "
+                     "lower + compile")
   for name, res in all_results.items():
     w = workloads[name]
     label = name + (f" ({w.num_leaves} lv)" if w.subset else "")

@@ -19,6 +19,8 @@ Every variant is `jpack.data_parallel` (shard_map over ``("batch",)``, inputs pl
                 jpack): <= 4 MiB buckets, custom-VJP unpack, psum_scatter/all_gather
   grads only    not a step: loss + gradients, no collective, no update. Every step does
                 at least this, so per-leaf time / this time bounds any variant's speed-up
+  packed grads  the same with persistent packed params (the loss unpacks them, gradients
+    only        come out packed): its distance from grads only is what pack + unpack cost
   ZeRO-1 sgd    ZeRO-1 with plain SGD: the collectives every ZeRO-1 step pays, almost no
                 update, so it bounds what ZeRO-1 with any optimizer can reach
 
@@ -462,16 +464,19 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help=f"comma-separated subset of {', '.join(VARIANTS)}")
   parser.add_argument("--quick", action="store_true", help="mlp_40x256 only, 3 x 5 steps")
-  parser.add_argument("--steps", type=int, default=None, help="steps per timed block (default 10)")
-  parser.add_argument("--blocks", type=int, default=None, help="timed blocks (median; default 5)")
-  parser.add_argument("--batch", type=int, default=PER_DEVICE_BATCH,
+  parser.add_argument("--steps", type=c.positive_int, default=None, help="steps per timed block (default 10)")
+  parser.add_argument("--blocks", type=c.positive_int, default=None, help="timed blocks (median; default 5)")
+  parser.add_argument("--batch", type=c.positive_int, default=PER_DEVICE_BATCH,
                       help=f"per-device batch (default {PER_DEVICE_BATCH})")
-  parser.add_argument("--bucket-bytes", type=int, default=None,
+  parser.add_argument("--bucket-bytes", type=c.positive_int, default=None,
                       help="jpack.plan bucket_bytes (default: jpack's, 4 MiB)")
   parser.add_argument("--solo-bytes", type=int, default=None,
                       help="jpack.plan solo_bytes (default: jpack's, 1 MiB; 0 = None)")
-  parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+  parser.add_argument("--markdown", metavar="FILE", type=c.markdown_path,
+                      help="also write the tables as Markdown")
   args = parser.parse_args(argv)
+  if args.solo_bytes is not None and args.solo_bytes < 0:
+    parser.error(f"--solo-bytes must be >= 0 (0 = no solo buckets), got {args.solo_bytes}")
   c.require_devices(NUM_DEVICES)
 
   names = [n for n in args.models.split(",") if n] or (

@@ -85,3 +85,13 @@ def test_bad_benchmark_flags_fail_before_running(args, message):
   assert message in out.stdout + out.stderr, out.stdout + out.stderr
   assert "Traceback" not in out.stderr
   assert "machine:" not in out.stdout  # refused before the banner, not after a run
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+  from jpack.bench import _common as c
+  # Round 2 is slow for both (a host drift): paired, it cancels; medians alone would not.
+  a = c.Timing(0.0, 0.0, 3, (1.0, 4.0, 1.2))
+  b = c.Timing(0.0, 0.0, 3, (2.0, 8.0, 2.0))
+  assert c.paired_ratio(a, b) == 0.5
+  with pytest.raises(ValueError, match="same interleaved rounds"):
+    c.paired_ratio(a, c.Timing(0.0, 0.0, 2, (1.0, 2.0)))

@@ -246,6 +246,7 @@ class Timing:
   median_s: float
   min_s: float
   runs: int
+  samples: tuple[float, ...] = ()  # every timed call, in order (rounds, when interleaved)
 
   @property
   def ms(self) -> float:
@@ -298,7 +299,16 @@ def time_interleaved(calls: dict[str, tuple[Callable, tuple[Any, ...]]], *, runs
       jax.block_until_ready(out)
       times[key].append(time.perf_counter() - t0)
       del out
-  return {key: Timing(statistics.median(t), min(t), len(t)) for key, t in times.items()}
+  return {key: Timing(statistics.median(t), min(t), len(t), tuple(t))
+          for key, t in times.items()}
+
+
+def paired_ratio(a: Timing, b: Timing) -> float:
+  """Median over rounds of ``a``'s time / ``b``'s time in the same round, for two
+  timings from one `time_interleaved` call: drifts that last a round cancel out."""
+  if not a.samples or len(a.samples) != len(b.samples):
+    raise ValueError("paired_ratio needs two timings from the same interleaved rounds")
+  return statistics.median(x / y for x, y in zip(a.samples, b.samples))
 
 
 def time_python(f: Callable, *args: Any, runs: int = 20) -> Timing:

@@ -3,10 +3,12 @@
 Every variant runs as ``jax.jit(jax.shard_map(body, mesh=make_mesh((8,), ("batch",)),
 in_specs=P("batch"), out_specs=P()))`` on a tree whose leaves carry a leading axis of 8
 (one slice per device, placed with ``NamedSharding(mesh, P("batch"))`` before timing).
-All variants of a workload are compiled first; each baseline (per-leaf, floor) is timed
-back to back, then every other variant in interleaved rounds with the two baselines. A
-baseline's time is the fastest median it reached, so no variant's ratio gains from
-slowing the baselines down:
+All variants of a workload are compiled first; then the two baselines (per-leaf, floor)
+are timed in interleaved rounds, and every other variant in rounds with the two
+baselines. Each "vs" ratio is paired: the median over one group's rounds of the
+variant's time over the baseline's time in the same round (the host drifts between
+groups, by up to 2x for a large collective). A baseline's own row shows the median of
+its group medians:
 
   per-leaf       ``tree_map(lax.pmean)`` (XLA merges these into one tuple all-reduce)
   ravel          ``ravel_pytree`` + one pmean + unravel (what ``optax.flatten`` does)
@@ -86,10 +88,24 @@ class Result:
   compiled: c.Compiled
   timing: c.Timing
   colls: c.Collectives
+  # Baseline key -> median over rounds of this variant's time / the baseline's in the
+  # same round (see bench_workload).
+  paired: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def run_s(self) -> float:
     return self.timing.median_s
+
+  def vs(self, baseline: "Result | None") -> float | None:
+    """This variant's time over ``baseline``'s: paired by rounds when they were timed
+    together, else the ratio of the medians (the sweep, timed after the main table)."""
+    if baseline is None:
+      return None
+    if baseline.key == self.key:
+      return 1.0
+    if baseline.key in self.paired:
+      return self.paired[baseline.key]
+    return c.ratio(self.run_s, baseline.run_s)
 
 
 class Bench:
@@ -172,27 +188,36 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...]
   compiled = {key: c.compile_fn(*calls[key]) for key in VARIANTS if key in calls}
   # Each variant is timed in rounds with the baselines only: in rounds of all variants,
   # one variant slowed the next (BERT `Packed`: 166 ms, 258 ms when the bf16-wire variant
-  # ran in the same rounds). Any call also slowed the large calls after it (a 52 MB floor:
-  # 61-98 ms called back to back, 98-183 ms between other calls), so a baseline's time is
-  # the fastest median it reached, back to back or in any group: no variant's ratio gains
-  # from slowing the baselines down.
+  # ran in the same rounds). The host also drifts from group to group (a 52 MB floor took
+  # 61-98 ms in one group, 98-183 ms in another), so every ratio is paired: the median,
+  # over the rounds of one group, of the variant's time over the baseline's in that round.
+  # A baseline's own row shows the median of its group medians.
   baselines = [k for k in BASELINES if k in compiled]
-  medians: dict[str, list[float]] = {
-      k: [c.time_fn(compiled[k].fn, calls[k][1], runs=bench.runs).median_s] for k in baselines}
+  groups = [baselines] if baselines else []
+  groups += [[k] + baselines for k in compiled if k not in baselines]
   results: dict[str, Result] = {}
-  for key in (k for k in compiled if k not in baselines):
-    group = [key] + baselines
+  base_timings: dict[str, list[c.Timing]] = {k: [] for k in baselines}
+  pooled: dict[tuple[str, str], list[float]] = {}
+  for group in groups:
     timings = c.time_interleaved({k: (compiled[k].fn, (calls[k][1],)) for k in group},
                                  runs=bench.runs)
-    results[key] = Result(key, compiled[key], timings[key],
-                          c.count_collectives(compiled[key].text()))
     for k in baselines:
-      medians[k].append(timings[k].median_s)
+      base_timings[k].append(timings[k])
+      for other in baselines:
+        if other != k:
+          pooled.setdefault((k, other), []).extend(
+              x / y for x, y in zip(timings[k].samples, timings[other].samples))
+    key = group[0]
+    if key not in baselines:
+      results[key] = Result(key, compiled[key], timings[key],
+                            c.count_collectives(compiled[key].text()),
+                            {b: c.paired_ratio(timings[key], timings[b]) for b in baselines})
   for k in baselines:
-    fastest = min(medians[k])
-    # median_s and min_s both hold that fastest median; runs counts the medians compared.
-    results[k] = Result(k, compiled[k], c.Timing(fastest, fastest, len(medians[k])),
-                        c.count_collectives(compiled[k].text()))
+    medians = [t.median_s for t in base_timings[k]]
+    samples = tuple(x for t in base_timings[k] for x in t.samples)
+    timing = c.Timing(statistics.median(medians), min(samples), len(samples), samples)
+    results[k] = Result(k, compiled[k], timing, c.count_collectives(compiled[k].text()),
+                        {b: statistics.median(pooled[(k, b)]) for b in baselines if b != k})
   for key in (k for k in VARIANTS if k in results):
     r = results[key]
     print(f"  {VARIANTS[key]:<24} run {c.fmt_ms(r.run_s):>7} ms   lower "
@@ -333,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
   # -- main table ----------------------------------------------------------------------
   t1 = c.Table(["workload", "variant", "run ms", "vs per-leaf", "vs floor", "lower s",
                 "compile s", "C vs per-leaf", "HLO collectives"],
-               title=f"pmean over {NUM_DEVICES} CPU devices (median run; per-leaf and floor: "
-                     "the fastest median they reached, a conservative baseline; C = lower + "
-                     "compile; vs = time ratio, lower is better)")
+               title=f"pmean over {NUM_DEVICES} CPU devices (run: median; per-leaf and floor: "
+                     "median of their group medians; vs = time ratio paired by rounds, lower "
+                     "is better; C = lower + compile)")
   for name, res in all_results.items():
     w = workloads[name]
     label = _label(name, w)
@@ -346,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         continue
       r = res[key]
       t1.add(label, VARIANTS[key], c.fmt_ms(r.run_s),
-             c.fmt_ratio(c.ratio(r.run_s, base and base.run_s)),
-             c.fmt_ratio(c.ratio(r.run_s, floor and floor.run_s)),
+             c.fmt_ratio(r.vs(base)), c.fmt_ratio(r.vs(floor)),
              c.fmt_s(r.compiled.lower_s), c.fmt_s(r.compiled.compile_s),
              c.fmt_ratio(c.ratio(r.compiled.total_s, base and base.compiled.total_s)),
              r.colls.short())
@@ -402,10 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         continue
       r = res[key]
       fl, pl = res.get("floor"), res.get("per_leaf")
-      v = c.ratio(r.run_s, fl and fl.run_s)
+      v = r.vs(fl)
       goals.add("run <= 3x floor", label, VARIANTS[key], c.fmt_ratio(v), "3.00x",
                 c.verdict(None if v is None else v <= PMEAN_VS_FLOOR_GOAL))
-      v = c.ratio(r.run_s, pl and pl.run_s)
+      v = r.vs(pl)
       goals.add("run <= per-leaf", label, VARIANTS[key], c.fmt_ratio(v), "1.00x",
                 c.verdict(None if v is None else v <= 1.0))
       if workloads[name].num_leaves >= 1000:

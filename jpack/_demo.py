@@ -275,7 +275,9 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   results = []
   for i, mode in enumerate(modes):
     dp = jpack.data_parallel(loss_fn, optax.adamw(lr, weight_decay=1e-4), params0, mesh,
-                             mode=mode, comm_dtype=wire, **plan_options)
+                             mode=mode,
+                             comm_dtype=None if mode in ("per_leaf", "ravel") else wire,
+                             **plan_options)
     if i == 0:
       say("\nParameter layout (jpack.plan):")
       say(dp.layout.summary())

@@ -113,7 +113,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       `optax.multi_transform`: no weight decay on biases and norms, frozen leaves
       (``optax.set_to_zero()``). Each label gets its own buckets, so this works in the
       packed and ZeRO-1 modes too, where an ``optax.masked`` mask would see buckets.
-    comm_dtype: wire dtype of the gradient collectives (jpack modes only).
+    comm_dtype: wire dtype of the gradient collectives in the jpack modes (refused with
+      ``"per_leaf"`` and ``"ravel"``, which reduce in the gradients' own dtype).
     root: the device whose initial parameters everyone gets.
     use_pmap: build the step with `jax.pmap` instead of `jax.shard_map` (the state then
       carries a leading device axis; ``step`` still takes the global batch and adds
@@ -163,6 +164,10 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                   "mode='allreduce' for it)")
   if mode != "sharded":
     _refuse_axis_norm(optimizer, mode)
+  if comm_dtype is not None and mode in ("per_leaf", "ravel"):
+    raise ValueError(f"comm_dtype={comm_dtype!r} applies to jpack's modes (packed, "
+                     f"allreduce, sharded); mode={mode!r} is a baseline that reduces in "
+                     "the gradients' own dtype. Drop comm_dtype, or pick a jpack mode.")
   if "group_fn" in plan_options:
     raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
                     "label itself (pass labels= with a dict of optimizers, or a plain "
@@ -186,6 +191,9 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     tx = optax.multi_transform(optimizer, labels)
   else:
     tx = optimizer
+  # Every update gets value=loss (the mean over devices), as optax's reduce_on_plateau
+  # and polyak_sgd need; transformations that take no extra arguments drop it.
+  tx = optax.with_extra_args_support(tx)
 
   def reduce_grads(grads, starts):
     """The mean gradients and their global norm."""
@@ -232,13 +240,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       grad_norm = jnp.sqrt(lax.psum(_sum_of_squares(shards.buckets), axis_name))
       shards = _after(shards, grad_norm, loss, *_firsts(aux))
       local = shard(state.params, axis_name)
-      updates, opt_state = tx.update(shards, state.opt_state, local)
+      updates, opt_state = tx.update(shards, state.opt_state, local, value=loss)
       params = all_gather(optax.apply_updates(local, updates), axis_name)
     else:
       grads, grad_norm = reduce_grads(grads, state.offsets or None)
       if mode in ("packed", "allreduce"):
         grads = _after(grads, grad_norm, loss, *_firsts(aux))
-      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params, value=loss)
       params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}
     if has_aux:

@@ -318,6 +318,10 @@ def test_bad_mode_and_axis():
   with pytest.raises(ValueError, match="slice_offsets must be 'static' or 'data', got 'dynamic'"):
     jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)),
                         slice_offsets="dynamic")
+  for mode in ("per_leaf", "ravel"):
+    with pytest.raises(ValueError, match=f"comm_dtype=.*bfloat16.*mode='{mode}' is a baseline"):
+      jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mode=mode,
+                          comm_dtype=jnp.bfloat16)
   mesh = jax.make_mesh((8,), ("data",))
   with pytest.raises(ValueError, match="not an axis of the mesh"):
     jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mesh)
@@ -551,4 +555,38 @@ def test_a_host_copy_of_the_state_steps_on(mode, mesh_axis_type):
     host, metrics = dp.step(host, (x[i], y[i]))
     np.testing.assert_allclose(float(metrics["loss"]), want_losses[i], rtol=1e-4)
   for a, b in zip(jax.tree.leaves(dp.params(host)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce", "per_leaf"])
+@pytest.mark.parametrize("name", ["reduce_on_plateau", "polyak_sgd"])
+def test_optimizers_that_read_the_loss_get_it_as_value(name, mode):
+  # optax passes the loss as update(..., value=loss); the step gives the mean loss over
+  # the devices, which is the full batch's loss, as in one-device training.
+  def make():
+    if name == "polyak_sgd":
+      return optax.polyak_sgd(max_learning_rate=0.5)
+    return optax.chain(optax.sgd(0.3), optax.contrib.reduce_on_plateau(
+        patience=1, factor=0.5, cooldown=0, accumulation_size=1, rtol=1e-3))
+  params = init_cnn(jax.random.key(0))
+  if mode == "sharded" and name == "polyak_sgd":
+    # Its step size needs the whole gradient's norm; ZeRO-1 holds a slice per device.
+    with pytest.raises(TypeError, match="scale_by_polyak cannot run inside"):
+      jpack.data_parallel(loss_fn, make(), params, mode=mode)
+    return
+  steps = 8
+  x, y = data(steps)
+  tx = make()
+  want, opt_state = params, tx.init(params)
+  for i in range(steps):
+    loss, g = jax.value_and_grad(loss_fn)(want, (x[i], y[i]))
+    u, opt_state = tx.update(g, opt_state, want, value=loss)
+    want = optax.apply_updates(want, u)
+  if name == "reduce_on_plateau":
+    assert float(opt_state[1].scale) < 1.0  # the plateau was reached: value was read
+  dp = jpack.data_parallel(loss_fn, make(), params, mode=mode)
+  state = dp.init(params)
+  for i in range(steps):
+    state, _ = dp.step(state, (x[i], y[i]))
+  for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)

@@ -442,7 +442,12 @@ def _aux_to_mean(aux: Any) -> Any:
   """``aux`` ready for ``lax.pmean``: Python scalars become arrays, and integers and bools
   float32 (a mean in uint8 would wrap: eight 200s sum to 64), as documented."""
   def one(path, x):
-    x = jnp.asarray(x)
+    try:
+      x = jnp.asarray(x)
+    except TypeError as e:  # a string, None in a list, an object: JAX's error has no path
+      raise TypeError(f"aux at {jax.tree_util.keystr(path) or '<root>'} is "
+                      f"{type(x).__name__} {x!r:.60}, not a number or numeric array: "
+                      "metrics are averaged over the devices. Return it elsewhere.") from e
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       raise TypeError(f"aux at {jax.tree_util.keystr(path) or '<root>'} is a PRNG key "
                       "array: metrics are averaged over the devices, keys cannot be. "

@@ -504,11 +504,15 @@ def test_aux_metrics_are_true_means_and_used_states_are_refused(mode, use_pmap):
   dp.step(new, (x, jax.random.split(jax.random.key(1), 8)))
 
 
-def test_a_prng_key_in_aux_is_refused_with_its_path():
+def test_a_prng_key_or_a_string_in_aux_is_refused_with_its_path():
   params = {"w": np.ones((4, 2), np.float32)}
   loss = lambda p, x: (jnp.mean(x @ p["w"]), {"key": jax.random.key(0)})
   dp = jpack.data_parallel(loss, optax.sgd(0.1), params, has_aux=True)
   with pytest.raises(TypeError, match=r"aux at \['key'\] is a PRNG key"):
+    dp.step(dp.init(params), np.ones((8, 4), np.float32))
+  text = lambda p, x: (jnp.mean(x @ p["w"]), {"acc": 1.0, "tag": "train"})
+  dp = jpack.data_parallel(text, optax.sgd(0.1), params, has_aux=True)
+  with pytest.raises(TypeError, match=r"aux at \['tag'\] is str 'train', not a number"):
     dp.step(dp.init(params), np.ones((8, 4), np.float32))
 
 

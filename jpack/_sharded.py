@@ -7,6 +7,7 @@ local slices, so per-device optimizer memory is ~1/N of the replicated state.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping
 
@@ -204,12 +205,7 @@ def gather_state(state: ShardedState) -> Any:
   """
   layout = state.layout
   sizes = tuple(b.size for b in layout.buckets)
-
-  def is_buckets(x):
-    return (isinstance(x, tuple) and len(x) == len(sizes) and len(sizes) > 0 and all(
-        _is_masked(a) or (hasattr(a, "shape") and tuple(a.shape) == (s,))
-        for a, s in zip(x, sizes)))
-
+  is_buckets = functools.partial(_is_bucket_tuple, sizes=sizes)
   found = []
 
   def convert(x):
@@ -244,6 +240,14 @@ def _is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
+def _is_bucket_tuple(x: Any, sizes: tuple[int, ...]) -> bool:
+  """A node of a `ShardedState`'s inner state holding one array per bucket (with labels,
+  `optax.MaskedNode` stands for other labels' buckets)."""
+  return (isinstance(x, tuple) and len(x) == len(sizes) and len(sizes) > 0 and all(
+      _is_masked(a) or (hasattr(a, "shape") and tuple(a.shape) == (s,))
+      for a, s in zip(x, sizes)))
+
+
 def _to_host(x: Any) -> np.ndarray:
   """The whole value of a (possibly sharded, possibly multi-process) array, on the host."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -271,16 +275,16 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
   """
   layout = like.layout
   params_def = layout.treedef
-
-  def is_params(x):
-    if params_def.num_nodes == 1:  # params are one array: a state leaf of its shape
-      return (hasattr(x, "shape") and layout.slots[0].shape != () and
-              np.shape(x) == layout.slots[0].shape)
-    return (not hasattr(x, "shape") and
-            jax.tree.structure(x, is_leaf=_is_masked) == params_def)
+  sizes = tuple(b.size for b in layout.buckets)
 
   def to_buckets(path, x):
-    leaves = params_def.flatten_up_to(x)
+    try:
+      leaves = params_def.flatten_up_to(x)
+    except (ValueError, TypeError):
+      raise ValueError(
+          f"Saved optimizer state at {jax.tree_util.keystr(path)} is "
+          f"{jax.tree.structure(x, is_leaf=_is_masked)}; the new run keeps a params-shaped "
+          f"tree there: {params_def}. Was it saved for the same params?") from None
     masked = [_is_masked(v) for v in leaves]
     # A bucket's state leaves share one dtype: the params' or, for moments kept in
     # another float dtype (adam(mu_dtype=...)), that one.
@@ -315,9 +319,20 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
     packed = pack(params_def.unflatten(zeros), retyped).buckets
     return tuple(optax.MaskedNode() if m else p for p, m in zip(packed, buckets))
 
-  converted = jax.tree_util.tree_map_with_path(
-      lambda path, x: to_buckets(path, x) if is_params(x) else x, tree_state,
-      is_leaf=lambda x: is_params(x) or _is_masked(x))
+  # Where the new run's state holds a tuple of buckets, the saved one holds a params
+  # tree: found by position, since shapes alone cannot tell a scalar param's moment
+  # from a step count.
+  is_buckets = functools.partial(_is_bucket_tuple, sizes=sizes)
+  like_nodes, prefix = jax.tree_util.tree_flatten_with_path(like.inner_state,
+                                                             is_leaf=is_buckets)
+  try:
+    saved = prefix.flatten_up_to(tree_state)
+  except (ValueError, TypeError):
+    converted = tree_state  # a structure mismatch: named below
+  else:
+    converted = prefix.unflatten(
+        to_buckets(path, x) if is_buckets(node) else x
+        for (path, node), x in zip(like_nodes, saved))
   like_def = jax.tree.structure(like.inner_state)
   if jax.tree.structure(converted) != like_def:
     got = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(converted)]
@@ -328,7 +343,7 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
     raise ValueError("The saved optimizer state does not match the new optimizer's state "
                      f"structure (first difference: {first}): got "
                      f"{jax.tree.structure(converted)}, expected {like_def}. Was it saved "
-                     "from the same inner transformation, for the same params?")
+                     "from the same inner transformation and labels=, for the same params?")
   for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(converted),
                                jax.tree.leaves(like.inner_state)):
     if np.shape(got) != tuple(want.shape) or jnp.result_type(got) != want.dtype:

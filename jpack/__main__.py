@@ -8,19 +8,11 @@ import pathlib
 import sys
 from typing import Sequence
 
+from jpack.bench._common import positive_int as _positive_int
+
 WORKLOADS_DIR = pathlib.Path(__file__).resolve().parent / "workloads"
 DEFAULT_STEPS = 200
 QUICK_STEPS = 40
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
 
 
 def _positive_float(text: str) -> float:

@@ -20,8 +20,9 @@ from jpack._layout import Layout, _dtype_name, plan
 from jpack._pack import Packed, _flatten_like, _unpack_at, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
 from jpack._transforms import (Labels, _after, _check_inner, _firsts, _functions_in,
-                               _group_fn_for, _refuse_inner, _refuse_masked_state,
-                               _refuse_reduce_in, flat)
+                               _group_fn_for, _multi_transform, _refuse_inner,
+                               _refuse_masked_state, _refuse_reduce_in, _with_extra_args,
+                               flat)
 
 # "per_leaf" and "ravel" are the baselines jpack is measured against.
 MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
@@ -188,12 +189,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   elif mode == "packed" and isinstance(optimizer, Mapping):
     tx = flat(optimizer, labels=labels)  # params are Packed: it runs on their buckets
   elif isinstance(optimizer, Mapping):
-    tx = optax.multi_transform(optimizer, labels)
+    tx = _multi_transform(optimizer, labels)
   else:
     tx = optimizer
   # Every update gets value=loss (the mean over devices), as optax's reduce_on_plateau
   # and polyak_sgd need; transformations that take no extra arguments drop it.
-  tx = optax.with_extra_args_support(tx)
+  tx = _with_extra_args(tx)
 
   def reduce_grads(grads, starts):
     """The mean gradients and their global norm."""
@@ -279,14 +280,20 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   bounded = _in_flight_bound(mesh)
 
-  opt_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs.opt_state,
-                               is_leaf=lambda x: isinstance(x, P))
+  state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs,
+                                 is_leaf=lambda x: isinstance(x, P))
 
   def step(state, batch):
     _check_state(state, mode)
-    if mode == "sharded":  # a restored or host copy of the slices: split them again
-      state = state._replace(opt_state=jax.tree.map(_place_slices, state.opt_state,
-                                                    opt_shardings))
+    counter = state.step
+    if not (isinstance(counter, jax.core.Tracer) or
+            (isinstance(counter, jax.Array) and counter.sharding == replicated)):
+      # A host copy of the state, or one restored onto a single device: place it all
+      # (checked on the counter alone, so a placed state costs nothing per leaf).
+      state = jax.tree.map(_place, state, state_shardings)
+    elif mode == "sharded":  # a restored or host copy of the slices: split them again
+      state = state._replace(opt_state=jax.tree.map(_place, state.opt_state,
+                                                    state_shardings.opt_state))
     return bounded(step_sm(state, _place_batch(batch, batch_sharding, axis_name)))
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
@@ -348,7 +355,7 @@ def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:
   """
   def place(path, x):
     if isinstance(x, jax.core.Tracer):  # the step is being traced by an outer jit
-      return jax.reshard(x, sharding)
+      return _constrain(x, sharding)
     if isinstance(x, jax.Array) and x.sharding == sharding:
       return x
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
@@ -375,12 +382,24 @@ def _check_splits(path: Any, shape: tuple[int, ...], devices: int, axis_name: st
         f"devices of axis {axis_name!r}.")
 
 
-def _place_slices(x: Any, sharding: NamedSharding) -> Any:
-  """A ZeRO-1 state leaf with the sharding the step expects. Already placed (the usual
-  case, every step) it is returned as is; a host value or an array placed otherwise holds
-  the whole (global) leaf, as `jax.device_get` of a state gives, and is split again."""
-  if isinstance(x, jax.core.Tracer):
+def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """A traced value moved to ``sharding``: `jax.reshard` on Explicit mesh axes (the
+  default), a sharding constraint on Auto ones (reshard refuses those)."""
+  types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+  named = [a for entry in sharding.spec if entry is not None
+           for a in (entry if isinstance(entry, tuple) else (entry,))]
+  if all(types[a] == jax.sharding.AxisType.Explicit for a in named):
     return jax.reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+def _place(x: Any, sharding: NamedSharding) -> Any:
+  """A state leaf with the sharding the step expects. Already placed (the usual case,
+  every step) it is returned as is; a host value or an array placed otherwise holds the
+  whole (global) leaf, as `jax.device_get` of a state gives, and is placed (ZeRO-1
+  slices split over the axis, the rest replicated)."""
+  if isinstance(x, jax.core.Tracer):
+    return _constrain(x, sharding)
   if isinstance(x, jax.Array) and (x.sharding == sharding or not x.is_fully_addressable):
     return x  # a global array placed otherwise: shard_map names the mismatch
   if jax.process_count() == 1:
@@ -482,6 +501,11 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mod
 
   def step(state, batch):
     _check_state(state, mode)
+    counter = state.step
+    if (isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer)
+        and len(counter.sharding.device_set) != len(devices)):
+      # A state restored onto one device: pmap takes host rows, not such arrays.
+      state = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, state)
     batch = jax.tree_util.tree_map_with_path(split, batch)
     state, metrics = bounded(step_p(state, batch))
     return state, jax.tree.map(lambda m: m[0], metrics)

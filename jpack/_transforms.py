@@ -6,6 +6,7 @@ import builtins
 import dataclasses
 import dis
 import functools
+import inspect
 import types
 from typing import Any, Callable, Mapping, Union
 
@@ -264,11 +265,35 @@ def _pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:
   return tree
 
 
+def _with_extra_args(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """``tx`` taking optax's extra update arguments (``value=`` for polyak_sgd or
+  reduce_on_plateau). `optax.with_extra_args_support` drops them for every plain
+  `GradientTransformation`, even one whose update takes ``**extra_args`` and passes them
+  on, as ``optax.MultiSteps(...).gradient_transformation()`` does: that one gets them."""
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    return tx
+  try:
+    takes_them = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                     for p in inspect.signature(tx.update).parameters.values())
+  except (TypeError, ValueError):  # no signature to read (a builtin): assume not
+    takes_them = False
+  if takes_them:
+    return optax.GradientTransformationExtraArgs(tx.init, tx.update)
+  return optax.with_extra_args_support(tx)
+
+
+def _multi_transform(transforms: Mapping[Any, optax.GradientTransformation],
+                     labels: Any) -> optax.GradientTransformationExtraArgs:
+  """`optax.multi_transform` whose transforms all receive the extra update arguments."""
+  return optax.multi_transform({k: _with_extra_args(v) for k, v in transforms.items()},
+                               labels)
+
+
 def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtraArgs:
   """``inner`` as one transformation over the tuple of buckets, taking optax's extra
   update arguments (``value=`` for polyak_sgd or reduce_on_plateau) like a chain does."""
   if not isinstance(inner, Mapping):
-    return optax.with_extra_args_support(inner)
+    return _with_extra_args(inner)
   bucket_labels = tuple(b.group[1] for b in layout.buckets)
   missing = sorted({str(x) for x in bucket_labels} - {str(k) for k in inner})
   if missing:
@@ -281,7 +306,7 @@ def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtra
     raise ValueError(f"labels {missing} have no transformation; inner has "
                      f"{sorted(inner)}.{hint}")
   transforms = {str(k): v for k, v in inner.items()}
-  return optax.multi_transform(transforms, lambda buckets: tuple(str(x) for x in bucket_labels))
+  return _multi_transform(transforms, lambda buckets: tuple(str(x) for x in bucket_labels))
 
 
 def _check_inner(inner: Inner, labels: Labels) -> None:

@@ -541,37 +541,46 @@ def test_a_tree_where_packed_modes_keep_a_packed_gets_a_clear_error(mode):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("mesh_axis_type", ["default", "Auto"])
+@pytest.mark.parametrize("where", ["host", "device 0"])
+@pytest.mark.parametrize("mesh_axis_type", ["default", "Auto", "pmap"])
 @pytest.mark.parametrize("mode", ["sharded", "packed", "allreduce"])
-def test_a_host_copy_of_the_state_steps_on(mode, mesh_axis_type):
-  # jax.device_get(state) (a checkpoint read back as numpy): ZeRO-1's slices arrive
-  # whole and are split over the axis again by the step.
+def test_a_restored_state_steps_on(mode, mesh_axis_type, where):
+  # jax.device_get(state) (a checkpoint read back as numpy), or that copy put on one
+  # device: the step places it again, splitting ZeRO-1's slices over the axis.
   params = init_cnn(jax.random.key(0))
   want, want_losses = reference(params, 3, optax.adam(1e-2))
-  mesh = (None if mesh_axis_type == "default" else
-          jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,)))
-  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode=mode)
+  mesh = (jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+          if mesh_axis_type == "Auto" else None)
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode=mode,
+                           use_pmap=mesh_axis_type == "pmap")
   x, y = data(3)
   state, _ = dp.step(dp.init(params), (x[0], y[0]))
-  host = jax.device_get(state)
-  assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(host.opt_state))
+  restored = jax.device_get(state)
+  assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(restored.opt_state))
+  if where == "device 0":
+    restored = jax.device_put(restored, jax.devices()[0])
   for i in (1, 2):
-    host, metrics = dp.step(host, (x[i], y[i]))
+    restored, metrics = dp.step(restored, (x[i], y[i]))
     np.testing.assert_allclose(float(metrics["loss"]), want_losses[i], rtol=1e-4)
-  for a, b in zip(jax.tree.leaves(dp.params(host)), jax.tree.leaves(want)):
+  for a, b in zip(jax.tree.leaves(dp.params(restored)), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce", "per_leaf"])
-@pytest.mark.parametrize("name", ["reduce_on_plateau", "polyak_sgd"])
+@pytest.mark.parametrize("name", ["reduce_on_plateau", "polyak_sgd", "multisteps"])
 def test_optimizers_that_read_the_loss_get_it_as_value(name, mode):
   # optax passes the loss as update(..., value=loss); the step gives the mean loss over
   # the devices, which is the full batch's loss, as in one-device training.
+  # MultiSteps(...).gradient_transformation() is a plain GradientTransformation whose
+  # update passes **extra_args on: optax.with_extra_args_support alone would drop them.
   def make():
     if name == "polyak_sgd":
       return optax.polyak_sgd(max_learning_rate=0.5)
-    return optax.chain(optax.sgd(0.3), optax.contrib.reduce_on_plateau(
+    plateau = optax.chain(optax.sgd(0.3), optax.contrib.reduce_on_plateau(
         patience=1, factor=0.5, cooldown=0, accumulation_size=1, rtol=1e-3))
+    if name == "multisteps":
+      return optax.MultiSteps(plateau, every_k_schedule=2).gradient_transformation()
+    return plateau
   params = init_cnn(jax.random.key(0))
   if mode == "sharded" and name == "polyak_sgd":
     # Its step size needs the whole gradient's norm; ZeRO-1 holds a slice per device.
@@ -592,5 +601,25 @@ def test_optimizers_that_read_the_loss_get_it_as_value(name, mode):
   state = dp.init(params)
   for i in range(steps):
     state, _ = dp.step(state, (x[i], y[i]))
+  for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("mode", ["sharded", "packed", "allreduce"])
+def test_the_step_runs_under_an_outer_jit(mode, axis_type):
+  # Traced batches and states are moved to the step's shardings: jax.reshard on
+  # Explicit mesh axes, a sharding constraint on Auto ones (reshard refuses those).
+  params = init_cnn(jax.random.key(0))
+  want, want_losses = reference(params, 2, optax.adam(1e-2))
+  mesh = jax.make_mesh((8,), ("batch",),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode=mode)
+  step = jax.jit(dp.step)
+  state = dp.init(params)
+  x, y = data(2)
+  for i in range(2):
+    state, metrics = step(state, (x[i], y[i]))
+    np.testing.assert_allclose(float(metrics["loss"]), want_losses[i], rtol=1e-4)
   for a, b in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)

@@ -228,8 +228,12 @@ def _floor_mean(x, n, reduce):
 
   Summing first overflows (eight int8 100s sum to 800); with x = n*q + r, 0 <= r < n,
   the mean is sum(q) + floor(sum(r) / n): sum(q) is within a rounding of the result
-  (and modular arithmetic undoes any wrap), sum(r) < n*n is summed in int32.
+  (and modular arithmetic undoes any wrap), sum(r) < n*n is summed in int32. When n
+  itself does not fit in x's dtype (8 devices and int4, 200 and int8), the split is made
+  in int32, and the mean, which fits x's dtype, is cast back.
   """
+  if n > jnp.iinfo(x.dtype).max:
+    return _floor_mean(x.astype(jnp.int32), n, reduce).astype(x.dtype)
   q = x // n
   r = (x - q * n).astype(jnp.int32)
   return reduce(q) + (reduce(r) // n).astype(x.dtype)

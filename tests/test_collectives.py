@@ -365,6 +365,35 @@ def test_allowed_int_mean_does_not_overflow_near_the_dtype_limits(dtype, method)
   np.testing.assert_array_equal(shards[:64], want)
 
 
+@pytest.mark.parametrize("method", ["psum", "scatter_gather"])
+def test_allowed_int_mean_when_the_device_count_does_not_fit_the_dtype(method):
+  # 8 does not fit int4 (max 7): the floor split x = 8q + r must not be made in int4.
+  rng = np.random.default_rng(13)
+  ints = rng.integers(-8, 8, size=(N, 32)).astype(jnp.int4)
+  ints[:, 0] = np.arange(N)  # device d holds d: floor mean 3
+  want = ints.astype(np.int64).sum(0) // N
+  got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True, method=method),
+               {"i": ints})["i"]
+  assert got.dtype == jnp.int4
+  np.testing.assert_array_equal(np.asarray(got).astype(np.int64), want)
+  layout = jpack.plan({"i": ints[0]}, num_shards=N)
+  shards = _trace(lambda t: jpack.all_gather(jpack.reduce_scatter(
+      jpack.pack(t, layout), "batch", mean=True, allow_int=True), "batch").buckets[0],
+      {"i": ints})
+  np.testing.assert_array_equal(np.asarray(shards[:32]).astype(np.int64), want)
+
+
+@pytest.mark.parametrize("dtype,size", [(np.int8, 200), (np.uint8, 300)])
+def test_allowed_int_mean_over_a_wide_vmap_axis(dtype, size):
+  info = np.iinfo(dtype)
+  rng = np.random.default_rng(14)
+  ints = rng.integers(info.min, info.max, size=(size, 5), endpoint=True).astype(dtype)
+  want = (ints.astype(object).sum(0) // size).astype(dtype)
+  got = jax.vmap(lambda t: jpack.pmean(t, "i", allow_int=True), axis_name="i")({"x": ints})
+  np.testing.assert_array_equal(np.asarray(got["x"][0]), want)
+  np.testing.assert_array_equal(np.asarray(got["x"]), np.broadcast_to(want, ints.shape))
+
+
 def test_scatter_gather_refuses_a_bucket_that_does_not_split_evenly():
   tree = {"w": np.ones((N, 3), np.float32)}
   layout = jpack.plan({"w": np.ones(3, np.float32)}, align_bytes=4)  # 3 elements, 1 shard

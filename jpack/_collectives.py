@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from jpack._layout import Layout, _check_plan_options, _dtype_name, _is_key_dtype
-from jpack._pack import Packed, _Buckets, _bits_dtype, pack, unpack
+from jpack._pack import Packed, _Buckets, _bits_dtype, _check_buckets, pack, unpack
 
 AxisName = Any
 
@@ -515,6 +515,7 @@ def _to_packed(tree, layout, plan_options, *, num_shards, op):
     if layout is not None or plan_options:
       raise TypeError("Got a Packed and a layout or plan options; a Packed carries its "
                       "own layout. Pass one or the other.")
+    _check_buckets(tree.buckets, tree.layout)  # e.g. a per-device axis left on by shard_map
     return tree, True
   if layout is None:
     plan_options = dict(plan_options)

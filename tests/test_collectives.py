@@ -394,6 +394,21 @@ def test_allowed_int_mean_over_a_wide_vmap_axis(dtype, size):
   np.testing.assert_array_equal(np.asarray(got["x"]), np.broadcast_to(want, ints.shape))
 
 
+@pytest.mark.parametrize("op,kw", [("pmean", {}), ("pmean", {"method": "psum"}),
+                                   ("psum", {}), ("broadcast", {})])
+def test_a_packed_whose_buckets_do_not_match_its_layout_is_refused(op, kw):
+  # A stacked Packed split with P("batch") keeps a per-device axis of 1 in shard_map.
+  m = mesh()
+  layout = jpack.plan({"a": jnp.ones(3)}, num_shards=N)
+  stacked = jax.vmap(lambda v: jpack.pack({"a": v}, layout))(jnp.ones((N, 3)))
+  stacked = jax.device_put(stacked, NamedSharding(m, P("batch")))
+  f = jax.jit(jax.shard_map(lambda p: getattr(jpack, op)(p, "batch", **kw), mesh=m,
+                            in_specs=P("batch"), out_specs=P("batch")))
+  with pytest.raises(ValueError, match=r"Bucket 0 has shape \(1, 512\), but the layout "
+                                       r"expects \(512,\)"):
+    f(stacked)
+
+
 def test_scatter_gather_refuses_a_bucket_that_does_not_split_evenly():
   tree = {"w": np.ones((N, 3), np.float32)}
   layout = jpack.plan({"w": np.ones(3, np.float32)}, align_bytes=4)  # 3 elements, 1 shard

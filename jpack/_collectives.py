@@ -530,6 +530,10 @@ def _check_comm_dtype(comm_dtype):
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"comm_dtype must be a floating dtype (e.g. jnp.bfloat16 or "
                      f"jnp.float32), got {dtype}.")
+  if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+    # JAX would make it float32 with only a warning: a wire narrower than asked.
+    raise ValueError(f"comm_dtype={dtype} needs 64-bit types: set "
+                     "jax.config.update('jax_enable_x64', True), or use jnp.float32.")
   return dtype
 
 

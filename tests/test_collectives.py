@@ -430,6 +430,9 @@ def test_bad_arguments():
   tree = {"w": np.ones((N, 3), np.float32)}
   with pytest.raises(ValueError, match="comm_dtype must be a floating"):
     _trace(lambda t: jpack.psum(t, "batch", comm_dtype=jnp.int32), tree)
+  if not jax.config.jax_enable_x64:  # JAX would narrow it to float32 with a warning
+    with pytest.raises(ValueError, match="comm_dtype=float64 needs 64-bit types"):
+      _trace(lambda t: jpack.psum(t, "batch", comm_dtype=jnp.float64), tree)
   with pytest.raises(ValueError, match="method must be one of"):
     _trace(lambda t: jpack.psum(t, "batch", method="ring"), tree)
   with pytest.raises(ValueError, match=r"root must be an int in \[0, 8\)"):

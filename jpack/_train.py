@@ -404,6 +404,8 @@ def _place(x: Any, sharding: NamedSharding) -> Any:
     return x  # a global array placed otherwise: shard_map names the mismatch
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
+  # Each process supplies its own value (processes may differ where the step does not
+  # rely on it: `_replicate` for init, whose broadcast from root makes them equal).
   value = np.asarray(x)
   return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
@@ -416,13 +418,7 @@ def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
   """
   if isinstance(x, jax.core.Tracer):  # init traced (jax.eval_shape, jit): shard_map places it
     return x
-  if isinstance(x, jax.Array) and x.sharding == sharding:
-    return x
-  if jax.process_count() == 1:
-    return jax.device_put(x, sharding)
-  value = np.asarray(x)
-  shards = [jax.device_put(value, d) for d in sharding.addressable_devices]
-  return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
+  return _place(x, sharding)
 
 
 def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainState:

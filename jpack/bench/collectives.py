@@ -197,27 +197,26 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...]
   groups += [[k] + baselines for k in compiled if k not in baselines]
   results: dict[str, Result] = {}
   base_timings: dict[str, list[c.Timing]] = {k: [] for k in baselines}
-  pooled: dict[tuple[str, str], list[float]] = {}
   for group in groups:
     timings = c.time_interleaved({k: (compiled[k].fn, (calls[k][1],)) for k in group},
                                  runs=bench.runs)
     for k in baselines:
       base_timings[k].append(timings[k])
-      for other in baselines:
-        if other != k:
-          pooled.setdefault((k, other), []).extend(
-              x / y for x, y in zip(timings[k].samples, timings[other].samples))
     key = group[0]
     if key not in baselines:
       results[key] = Result(key, compiled[key], timings[key],
                             c.count_collectives(compiled[key].text()),
                             {b: c.paired_ratio(timings[key], timings[b]) for b in baselines})
+  # Every group holds both baselines, so their samples, joined group after group, pair
+  # round by round: one baseline against the other over all the rounds of the workload.
+  joined = {}
+  for k, ts in base_timings.items():
+    samples = tuple(x for t in ts for x in t.samples)
+    joined[k] = c.Timing(statistics.median(t.median_s for t in ts), min(samples),
+                         len(samples), samples)
   for k in baselines:
-    medians = [t.median_s for t in base_timings[k]]
-    samples = tuple(x for t in base_timings[k] for x in t.samples)
-    timing = c.Timing(statistics.median(medians), min(samples), len(samples), samples)
-    results[k] = Result(k, compiled[k], timing, c.count_collectives(compiled[k].text()),
-                        {b: statistics.median(pooled[(k, b)]) for b in baselines if b != k})
+    results[k] = Result(k, compiled[k], joined[k], c.count_collectives(compiled[k].text()),
+                        {b: c.paired_ratio(joined[k], joined[b]) for b in baselines if b != k})
   for key in (k for k in VARIANTS if k in results):
     r = results[key]
     print(f"  {VARIANTS[key]:<24} run {c.fmt_ms(r.run_s):>7} ms   lower "

@@ -167,15 +167,16 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
   packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=n, op=op)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int, op=op)
   out = []
-  for bucket, x in zip(packed.layout.buckets, packed.buckets):
+  for i, (bucket, x) in enumerate(zip(packed.layout.buckets, packed.buckets)):
     if bucket.size == 0:  # only zero-size leaves: nothing to scatter
       out.append(lax.psum(x, axis_name))
       continue
     scatter = method == "scatter_gather" or (method == "auto" and bucket.size % n == 0
                                              and bucket.size > 0)
     if method == "scatter_gather" and bucket.size % n:
-      raise ValueError(f"Bucket of {bucket.size} elements does not split evenly over "
-                       f"{n} devices; plan with num_shards={n} or use method='psum'.")
+      raise ValueError(f"Bucket {i} ({bucket.dtype}) has {bucket.size} elements, which do "
+                       f"not split evenly over {n} devices (method='scatter_gather'); plan "
+                       f"with num_shards={n} or use method='psum'.")
     out.append(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
                               scatter=scatter))
   result = Packed(tuple(out), packed.layout)

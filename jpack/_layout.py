@@ -507,7 +507,8 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
     if isinstance(leaf, np.ma.MaskedArray):
       raise TypeError(f"Leaf at {path or '<root>'} is a numpy masked array: JAX would drop "
                       "its mask. Pass leaf.filled(value) or leaf.data.")
-    _check_canonical(dtype, path, "numpy array of dtype")
+    _check_canonical(dtype, path, "numpy scalar of dtype" if isinstance(leaf, np.generic)
+                     else "numpy array of dtype")
   return tuple(map(int, leaf.shape)), dtype
 
 

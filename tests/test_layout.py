@@ -426,6 +426,8 @@ def test_numpy_subclasses_and_dtypes_jax_cannot_hold_are_refused(tmp_path):
   mm = np.memmap(tmp_path / "mm.dat", dtype=np.float64, mode="w+", shape=(3,))
   with pytest.raises(TypeError, match=r"\['a'\] is a numpy array of dtype float64"):
     jpack.plan({"a": mm})
+  with pytest.raises(TypeError, match=r"\['s'\] is a numpy scalar of dtype float64"):
+    jpack.plan({"s": np.float64(2.0)})
   with pytest.raises(TypeError, match=r"\['a'\] is a numpy masked array"):
     jpack.plan({"a": np.ma.array(np.ones(2, np.float32), mask=[0, 1])})
   with pytest.raises(TypeError, match=r"\['a'\] has dtype >f4: not in this machine's byte"):

@@ -497,7 +497,9 @@ def _flatten_like(tree: Any, layout: Layout) -> list[Any]:
            f"{layout.treedef}") + ". Plan a new layout for this tree with jpack.plan().")
   leaves = []
   for (_, leaf), slot in zip(path_leaves, layout.slots):
-    if isinstance(leaf, (bool, int, float, complex)):
+    # np.float64 is a float and np.complex128 a complex: numpy scalars keep their dtype
+    # (jnp.asarray would narrow them with x64 off, past the dtype check below).
+    if isinstance(leaf, (bool, int, float, complex)) and not isinstance(leaf, np.generic):
       try:
         leaf = jnp.asarray(leaf)
       except OverflowError:

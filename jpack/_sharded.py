@@ -65,7 +65,8 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       ``optax.masked``...) are refused with a `TypeError`, because on slices they would
       silently compute something else.
     axis_name: the data-parallel mesh / pmap axis.
-    labels: per-leaf labels (a tree like params, or ``params -> tree``) selecting the
+    labels: per-leaf labels (a tree like params or a prefix of it, or ``params ->
+      tree``) selecting the
       transformation of each leaf from the dict ``inner``: masks (no weight decay on
       biases), frozen leaves (``optax.set_to_zero()``). Each label gets its own buckets.
     comm_dtype: wire dtype of the gradient reduce-scatter (see `jpack.psum`).

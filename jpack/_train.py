@@ -109,7 +109,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       ``"sharded"`` ZeRO-1 (`jpack.optax.sharded`) on packed params.
       ``"per_leaf"`` / ``"ravel"`` baselines: per-leaf ``lax.pmean`` /
       ``ravel_pytree`` + one ``pmean``.
-    labels: per-leaf labels (a tree like the params, or ``params -> tree``) choosing
+    labels: per-leaf labels (a tree like the params or a prefix of it, or
+      ``params -> tree``) choosing
       each leaf's optimizer from the dict ``optimizer``, as in
       `optax.multi_transform`: no weight decay on biases and norms, frozen leaves
       (``optax.set_to_zero()``). Each label gets its own buckets, so this works in the

@@ -155,7 +155,9 @@ def flat(inner: Inner, *, labels: Labels = None,
       optax transformations that need them are refused. Or a dict ``{label:
       transformation}`` used with ``labels``.
     labels: per-leaf labels, as in `optax.multi_transform`: a tree of labels with the
-      structure of the params, or a function ``params -> tree of labels``. Leaves with
+      structure of the params (or a prefix of it: one label for a whole subtree), or a
+      function ``params -> tree of labels``. Labels need not be strings (``True``,
+      ``0``); the state is keyed by them as `optax.multi_transform`'s is. Leaves with
       different labels go to different buckets, and bucket ``i`` is updated by
       ``inner[label_i]``. Use it for masks: ``{"decay": optax.adamw(1e-3),
       "no_decay": optax.adam(1e-3), "frozen": optax.set_to_zero()}``.
@@ -210,16 +212,20 @@ def _group_fn_for(tree: Any, labels: Labels):
   if labels is None:
     return None
   label_tree = labels(tree) if callable(labels) else labels
-  try:
-    flat_labels = jax.tree.leaves(label_tree)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  except Exception as e:  # pragma: no cover - defensive
-    raise ValueError(f"labels could not be read: {e}") from e
+  error = ValueError(
+      "labels must have the tree structure of the params (one label per leaf) or a prefix "
+      "of it (one label for a whole subtree), as in optax.multi_transform; got "
+      f"{jax.tree.structure(label_tree)} for params {jax.tree.structure(tree)}.")
+  try:  # a prefix gives every leaf of its subtree the same label, as optax does
+    label_tree = jax.tree.map(lambda label, sub: jax.tree.map(lambda _: label, sub),
+                              label_tree, tree)
+  except (ValueError, TypeError):
+    raise error from None
+  flat_labels = jax.tree.leaves(label_tree)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   if len(flat_labels) != len(paths) or jax.tree.structure(label_tree) != jax.tree.structure(
       jax.tree.map(lambda _: 0, tree)):
-    raise ValueError(
-        "labels must have the same tree structure as the params (one label per leaf); "
-        f"got {jax.tree.structure(label_tree)} for params {jax.tree.structure(tree)}.")
+    raise error
   by_path = dict(zip(paths, flat_labels))
   return lambda path, leaf: by_path[path]
 
@@ -305,8 +311,16 @@ def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtra
               "the params as a tree with labels=.")
     raise ValueError(f"labels {missing} have no transformation; inner has "
                      f"{sorted(inner)}.{hint}")
-  transforms = {str(k): v for k, v in inner.items()}
-  return _multi_transform(transforms, lambda buckets: tuple(str(x) for x in bucket_labels))
+  # A layout keeps labels as str (it is hashed and compared across processes); the state
+  # keeps the user's keys (True, 0, ...), as optax.multi_transform(inner, labels) does.
+  key_of: dict[str, Any] = {}
+  for k in inner:
+    if str(k) in key_of:
+      raise ValueError(f"labels {key_of[str(k)]!r} and {k!r} are the same label to a jpack "
+                       "layout, which keeps labels as str: rename one.")
+    key_of[str(k)] = k
+  return _multi_transform(dict(inner),
+                          lambda buckets: tuple(key_of[str(x)] for x in bucket_labels))
 
 
 def _check_inner(inner: Inner, labels: Labels) -> None:
@@ -348,6 +362,8 @@ _NEEDS_WHOLE_GRADIENT = {
     "prodigy", "scale_by_prodigy", "contrib_dadapt_adamw", "dadapt_adamw",
     "scale_by_dadapt_adam", "mechanize", "scale_by_mechanic", "cocob", "scale_by_cocob",
     "normalize", "momo", "momo_adam", "sam", "scale_by_dog", "zero_nans",
+    # measurements of the updates kept in the state (a slice's norm on each device)
+    "snapshot", "monitor", "measure_with_ema",
 }
 
 # Draw random numbers from a key in their state: on slices, every device would draw the
@@ -483,6 +499,9 @@ def _globals_used(fn: types.FunctionType) -> list[Any]:
       else:
         obj = None
         continue
-      if isinstance(obj, (types.FunctionType, functools.partial)):
+      # A transformation built once at module level (CLIP = optax.clip_by_global_norm(1.0))
+      # and used inside a factory is only reachable here, like a function.
+      if isinstance(obj, (types.FunctionType, functools.partial,
+                          optax.GradientTransformation)):
         found.append(obj)
   return found

@@ -461,3 +461,21 @@ def test_plan_checks_group_fn_and_reverse_and_unstable_labels():
     assert "group_fn for the leaf at ['a']" in info.value.__notes__[0]
   with pytest.raises(ValueError, match="Not a jpack layout"):
     jpack.Layout.from_json("[1, 2]")
+
+
+def test_a_zero_size_leaf_first_in_order_before_a_solo_leaf_gets_an_empty_bucket():
+  # As docs/concepts.md says: with reverse=True "z" is planned first and opens a bucket;
+  # "w" (solo: >= solo_bytes) never joins one.
+  tree = {"w": jax.ShapeDtypeStruct((300_000,), jnp.float32),
+          "z": jax.ShapeDtypeStruct((0,), jnp.float32)}
+  layout = jpack.plan(tree)
+  assert sorted(b.size for b in layout.buckets) == [0, 300_032]
+  back = jpack.unpack(jpack.pack({"w": np.arange(300_000, dtype=np.float32),
+                                  "z": np.zeros(0, np.float32)}, layout))
+  np.testing.assert_array_equal(back["w"], np.arange(300_000, dtype=np.float32))
+  assert back["z"].shape == (0,)
+  # A solo leaf leaves no bucket open, so planned after it "z" opens one too.
+  assert [b.size for b in jpack.plan(tree, reverse=False).buckets] == [300_032, 0]
+  # A leaf that is not solo keeps its bucket open for "z".
+  small = {"w": jax.ShapeDtypeStruct((1000,), jnp.float32), "z": tree["z"]}
+  assert [b.size for b in jpack.plan(small, reverse=False).buckets] == [1024]

@@ -136,7 +136,7 @@ def test_flat_errors():
   with pytest.raises(ValueError, match=r"labels \['b'\] have no transformation"):
     tx.init(params0())
   tx = jpack.optax.flat(optax.adam(1e-3), labels={"x": "a"})
-  with pytest.raises(ValueError, match="same tree structure"):
+  with pytest.raises(ValueError, match="tree structure of the params .* or a prefix"):
     tx.init(params0())
 
 
@@ -239,6 +239,10 @@ def test_allreduce_allow_int_on_trees_and_packed():
       np.testing.assert_allclose(np.asarray(u["w"]), want_w, rtol=1e-6)
 
 
+MODULE_CLIP = optax.clip_by_global_norm(1.0)
+MODULE_TRUST = optax.scale_by_trust_ratio()
+
+
 def test_transforms_built_by_a_factory_are_read_for_refusals():
   # inject_hyperparams calls the factory at every update: the optax functions it uses
   # are reachable only through the factory's globals.
@@ -249,6 +253,13 @@ def test_transforms_built_by_a_factory_are_read_for_refusals():
   with pytest.raises(TypeError, match="clip_by_block_rms cannot run inside jpack.optax.flat"):
     jpack.optax.flat(optax.inject_hyperparams(block_rms)(lr=0.1))
   jpack.optax.flat(optax.inject_hyperparams(clip_chain)(lr=0.1))  # whole gradient: fine
+  # A transformation built once at module level and used inside the factory.
+  with pytest.raises(TypeError, match="clip_by_global_norm cannot run inside jpack.optax.sharded"):
+    jpack.optax.sharded(optax.inject_hyperparams(
+        lambda lr: optax.chain(MODULE_CLIP, optax.sgd(lr)))(lr=0.1), "batch")
+  with pytest.raises(TypeError, match="scale_by_trust_ratio cannot run inside jpack.optax.flat"):
+    jpack.optax.flat(optax.inject_hyperparams(
+        lambda lr: optax.chain(MODULE_TRUST, optax.sgd(lr)))(lr=0.1))
   jpack.optax.sharded(optax.inject_hyperparams(
       lambda lr: optax.chain(optax.scale_by_adam(), optax.scale(-lr)))(lr=0.1), "batch")
 

@@ -321,6 +321,17 @@ def test_dtype_mismatch_is_refused_not_cast():
   layout = jpack.plan({"n": jnp.ones(2, jnp.uint32)})
   with pytest.raises(TypeError, match=r"\['n'\] has dtype int32.*uint32"):
     jpack.pack({"n": jnp.ones(2, jnp.int32)}, layout)
+  # np.float64 subclasses Python float (np.complex128: complex): with x64 off it used to
+  # be narrowed to the layout's 32-bit dtype before the check.
+  if not jax.config.jax_enable_x64:
+    layout = jpack.plan({"a": 0.5, "c": 0.5j})
+    with pytest.raises(TypeError, match=r"\['a'\] has dtype float64.*float32"):
+      jpack.pack({"a": np.float64(0.1), "c": 0.5j}, layout)
+    with pytest.raises(TypeError, match=r"\['c'\] has dtype complex128.*complex64"):
+      jpack.pack({"a": 0.5, "c": np.complex128(0.1j)}, layout)
+  np.testing.assert_array_equal(  # numpy scalars of the layout's dtype are packed
+      jpack.unpack(jpack.pack({"a": np.float32(0.1), "c": np.complex64(2j)}, layout))["a"],
+      np.float32(0.1))
 
 
 def test_non_array_leaf_and_bad_arguments():

@@ -98,6 +98,9 @@ def test_masks_and_frozen_leaves_through_labels():
     lambda: optax.chain(optax.add_noise(0.1, 0.5, key=0), optax.sgd(0.1)),
     lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)),  # per-slice NaN flags
     lambda: optax.contrib.dog(),  # a distance over the whole parameters
+    # a measurement of the updates kept in the state: each device's slice's norm
+    lambda: optax.chain(optax.transforms.snapshot("norm", optax.tree.norm), optax.sgd(0.1)),
+    lambda: optax.transforms.monitor({"norm": optax.tree.norm}),
 ])
 def test_unshardable_inner_transforms_are_refused(inner):
   with pytest.raises(TypeError, match="cannot run inside jpack.optax.sharded"):
@@ -307,3 +310,47 @@ def test_checkpoint_errors_name_where_the_states_differ():
                            use_pmap=True)
   with pytest.raises(ValueError, match="jax.pmap state"):
     jpack.optax.gather_state(jax.device_get(dp.init(f32_params()).opt_state))
+
+
+@pytest.mark.parametrize("keys", [(True, False), (1, 0)])
+def test_labels_that_are_not_strings_keep_their_keys_in_the_state(keys):
+  """gather_state is keyed like optax.multi_transform(inner, labels).init(params), so a
+  plain optax run resumes from it (the layout keeps labels as str; the state must not)."""
+  decay, plain = keys
+  labels = lambda p: {"dense": {"w": decay, "b": plain}, "norm": {"scale": plain},
+                      "emb": decay}
+  optimizer = {decay: optax.adamw(1e-2, weight_decay=0.5), plain: optax.adam(1e-2)}
+  mesh = jax.make_mesh((8,), ("batch",))
+  _, state = _train(mesh, f32_params(), steps=3, optimizer=optimizer, labels=labels)
+  _, ref = _train(mesh, f32_params(), steps=3, mode="per_leaf", optimizer=optimizer,
+                  labels=labels)
+  saved = jpack.optax.gather_state(state.opt_state)
+  assert set(saved.inner_states) == {decay, plain}
+  assert jax.tree.structure(saved) == jax.tree.structure(ref.opt_state)
+  assert_trees_close(saved, ref.opt_state, tol=1e-4)
+  # A plain optax step from the saved state (it raised KeyError: True before).
+  tx = optax.multi_transform(optimizer, labels)
+  params = f32_params()
+  tx.update(jax.tree.map(jnp.ones_like, params), saved, params)
+  jpack.optax.scatter_state(saved, like=state.opt_state)
+
+
+def test_labels_equal_as_strings_are_refused():
+  with pytest.raises(ValueError, match="labels 1 and '1' are the same label"):
+    jpack.optax.flat({1: optax.sgd(0.1), "1": optax.adam(0.1)},
+                     labels=lambda p: jax.tree.map(lambda _: 1, p)).init(f32_params())
+
+
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
+def test_a_prefix_label_tree_labels_whole_subtrees_as_in_optax(mode):
+  prefix = {"dense": "decay", "norm": "frozen", "emb": "no_decay"}  # a prefix of params
+  mesh = jax.make_mesh((8,), ("batch",))
+  dp, state = _train(mesh, f32_params(), mode=mode, optimizer=labelled_optimizer(),
+                     labels=prefix, steps=5)
+  ref_dp, ref = _train(mesh, f32_params(), mode="per_leaf", optimizer=labelled_optimizer(),
+                       labels=prefix, steps=5)
+  assert_trees_close(dp.params(state), ref_dp.params(ref), tol=1e-4)
+  np.testing.assert_array_equal(dp.params(state)["norm"]["scale"], params0()["norm"]["scale"])
+  with pytest.raises(ValueError, match="or a prefix of it"):
+    _train(mesh, f32_params(), mode=mode, optimizer=labelled_optimizer(),
+           labels={"dense": "decay"}, steps=0)

@@ -241,12 +241,21 @@ def _unpack_as_returned(packed: Packed) -> Any:
   Like optax on the tree, some optimizers return wider updates than the params
   (adam(mu_dtype=jnp.float32) or a float32 hyperparameter on bf16 params: float32
   updates; `optax.apply_updates` casts them back), and moments may be kept in another
-  dtype. Any other dtype change is left for `unpack` to explain."""
+  dtype. Any other dtype change (float updates for integer leaves, complex for real) is
+  refused with the leaves it concerns."""
   layout = packed.layout
   dtypes = [np.dtype(x.dtype) for x in packed.buckets]
-  changed = [(d, b.dtype) for d, b in zip(dtypes, layout.buckets) if d != b.dtype]
-  if changed and all(jnp.issubdtype(d, jnp.floating) and jnp.issubdtype(b, jnp.floating)
-                     for d, b in changed):
+  for i, (got, bucket) in enumerate(zip(dtypes, layout.buckets)):
+    if got != bucket.dtype and not (jnp.issubdtype(got, jnp.floating)
+                                    and jnp.issubdtype(bucket.dtype, jnp.floating)):
+      paths = [layout.slots[j].path for j in bucket.slots]
+      shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+      raise TypeError(
+          f"The inner optimizer returned {got} updates for bucket {i}, which holds "
+          f"{bucket.dtype} leaves ({shown}); jpack never casts silently. Keep such leaves "
+          "out of the optimizer: labels= with optax.set_to_zero() for them (integer "
+          "counters, frozen tables), or out of the params.")
+  if any(d != b.dtype for d, b in zip(dtypes, layout.buckets)):
     layout = _retyped(layout, dtypes)
   return unpack(Packed(packed.buckets, layout))
 

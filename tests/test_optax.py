@@ -295,3 +295,18 @@ def test_sharded_passes_extra_arguments_and_takes_shards_in_init():
   for value in (1.0, 2.0):
     want, state = opt.update(grads, state, params, value=jnp.float32(value))
   assert_trees_close(got, want)
+
+
+def test_flat_refuses_float_updates_for_integer_leaves_with_their_paths():
+  params = {"w": jnp.ones((3, 3)), "n": jnp.arange(4, dtype=jnp.int32)}
+  grads = {"w": jnp.full((3, 3), 0.5), "n": jnp.zeros(4, jnp.int32)}
+  tx = jpack.optax.flat(optax.sgd(0.1))  # optax gives float32 updates for the int leaf
+  with pytest.raises(TypeError, match=r"float32 updates for bucket 1, which holds int32 "
+                                      r"leaves \(\['n'\]\).*optax.set_to_zero"):
+    tx.update(grads, tx.init(params), params)
+  # The way out the message names: the int leaf frozen by a label keeps its dtype.
+  tx = jpack.optax.flat({"t": optax.sgd(0.1), "f": optax.set_to_zero()},
+                        labels={"w": "t", "n": "f"})
+  got, _ = tx.update(grads, tx.init(params), params)
+  assert got["n"].dtype == jnp.int32 and not np.asarray(got["n"]).any()
+  np.testing.assert_allclose(got["w"], np.full((3, 3), -0.05, np.float32))

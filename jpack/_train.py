@@ -295,7 +295,20 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     elif mode == "sharded":  # a restored or host copy of the slices: split them again
       state = state._replace(opt_state=jax.tree.map(_place, state.opt_state,
                                                     state_shardings.opt_state))
-    return bounded(step_sm(state, _place_batch(batch, batch_sharding, axis_name)))
+    batch = _place_batch(batch, batch_sharding, axis_name)
+    try:
+      return bounded(step_sm(state, batch))
+    except ValueError:
+      # Part of a state restored onto one device (opt_state, with a placed counter): jit
+      # refuses it before running (nothing donated yet). Placing every leaf is checked
+      # only here, so a placed state costs nothing per leaf.
+      misplaced = jax.tree.leaves(jax.tree.map(
+          lambda x, sh: (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                         and x.is_fully_addressable and x.sharding != sh),
+          state, state_shardings))
+      if not any(misplaced):
+        raise
+      return bounded(step_sm(jax.tree.map(_place, state, state_shardings), batch))
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
@@ -504,7 +517,18 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mod
       # A state restored onto one device: pmap takes host rows, not such arrays.
       state = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, state)
     batch = jax.tree_util.tree_map_with_path(split, batch)
-    state, metrics = bounded(step_p(state, batch))
+    try:
+      state, metrics = bounded(step_p(state, batch))
+    except ValueError:
+      # Part of the state (opt_state) restored onto one device: pmap refuses it before
+      # running; such arrays go in as host rows, like a whole restored state above.
+      def on_one(x):
+        return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                and len(x.sharding.device_set) != len(devices))
+      if not any(on_one(x) for x in jax.tree.leaves(state)):
+        raise
+      state = jax.tree.map(lambda x: np.asarray(x) if on_one(x) else x, state)
+      state, metrics = bounded(step_p(state, batch))
     return state, jax.tree.map(lambda m: m[0], metrics)
 
   def params(state):

@@ -541,7 +541,7 @@ def test_a_tree_where_packed_modes_keep_a_packed_gets_a_clear_error(mode):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("where", ["host", "device 0"])
+@pytest.mark.parametrize("where", ["host", "device 0", "opt_state on device 0"])
 @pytest.mark.parametrize("mesh_axis_type", ["default", "Auto", "pmap"])
 @pytest.mark.parametrize("mode", ["sharded", "packed", "allreduce"])
 def test_a_restored_state_steps_on(mode, mesh_axis_type, where):
@@ -559,6 +559,8 @@ def test_a_restored_state_steps_on(mode, mesh_axis_type, where):
   assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(restored.opt_state))
   if where == "device 0":
     restored = jax.device_put(restored, jax.devices()[0])
+  if where == "opt_state on device 0":  # params and counter still placed by the step
+    restored = state._replace(opt_state=jax.device_put(restored.opt_state, jax.devices()[0]))
   for i in (1, 2):
     restored, metrics = dp.step(restored, (x[i], y[i]))
     np.testing.assert_allclose(float(metrics["loss"]), want_losses[i], rtol=1e-4)

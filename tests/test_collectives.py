@@ -574,3 +574,21 @@ def test_all_gather_checks_the_axis_and_options_name_the_function():
     jpack.optax.allreduce("batch", bucket_size=3)
   with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
     jpack.optax.flat(optax.sgd(0.1), bucket_bytes=0)
+
+
+@pytest.mark.parametrize("dtype,wire", [(jnp.bfloat16, None), (np.float32, jnp.bfloat16)])
+def test_narrow_wire_over_an_axis_wider_than_16_equals_numpy(dtype, wire):
+  # Past 16 devices the narrow-wire reduce sums its chunks with one reduction, not
+  # unrolled adds: a vmap axis of 32 reaches that branch on any machine.
+  n = 32
+  rng = np.random.default_rng(21)
+  x = rng.normal(size=(n, 40)).astype(dtype)
+  got = jax.jit(jax.vmap(lambda t: jpack.pmean(t, "i", comm_dtype=wire, num_shards=n),
+                         axis_name="i"))({"x": x})["x"]
+  assert got.dtype == x.dtype
+  wide = np.asarray(x, np.float64)
+  want = wide.mean(0)
+  # Values (and the f32 leaf's wire) rounded to bf16 once each way; the sum is in f32.
+  tol = 2 * 2**-8 * np.abs(wide).max()
+  for row in np.asarray(got, np.float64):
+    np.testing.assert_allclose(row, want, rtol=0, atol=tol)

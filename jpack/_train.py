@@ -509,26 +509,27 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mod
 
   bounded = _in_flight_bound(mesh)
 
+  def on_fewer_devices(x):  # restored onto one device: pmap takes host rows, not these
+    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            and len(x.sharding.device_set) != len(devices))
+
+  def as_host_rows(state):
+    return jax.tree.map(lambda x: np.asarray(x) if on_fewer_devices(x) else x, state)
+
   def step(state, batch):
     _check_state(state, mode)
-    counter = state.step
-    if (isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer)
-        and len(counter.sharding.device_set) != len(devices)):
-      # A state restored onto one device: pmap takes host rows, not such arrays.
-      state = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, state)
+    if on_fewer_devices(state.step):  # a whole state restored onto one device
+      state = as_host_rows(state)
     batch = jax.tree_util.tree_map_with_path(split, batch)
     try:
       state, metrics = bounded(step_p(state, batch))
     except ValueError:
-      # Part of the state (opt_state) restored onto one device: pmap refuses it before
-      # running; such arrays go in as host rows, like a whole restored state above.
-      def on_one(x):
-        return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-                and len(x.sharding.device_set) != len(devices))
-      if not any(on_one(x) for x in jax.tree.leaves(state)):
+      # Part of the state (opt_state) restored onto one device, with a placed counter:
+      # pmap refuses it before running (nothing donated); checked only here, so a placed
+      # state costs nothing per leaf.
+      if not any(on_fewer_devices(x) for x in jax.tree.leaves(state)):
         raise
-      state = jax.tree.map(lambda x: np.asarray(x) if on_one(x) else x, state)
-      state, metrics = bounded(step_p(state, batch))
+      state, metrics = bounded(step_p(as_host_rows(state), batch))
     return state, jax.tree.map(lambda m: m[0], metrics)
 
   def params(state):

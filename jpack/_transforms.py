@@ -245,9 +245,10 @@ def _unpack_as_returned(packed: Packed) -> Any:
   refused with the leaves it concerns."""
   layout = packed.layout
   dtypes = [np.dtype(x.dtype) for x in packed.buckets]
-  for i, (got, bucket) in enumerate(zip(dtypes, layout.buckets)):
-    if got != bucket.dtype and not (jnp.issubdtype(got, jnp.floating)
-                                    and jnp.issubdtype(bucket.dtype, jnp.floating)):
+  changed = [i for i, (d, b) in enumerate(zip(dtypes, layout.buckets)) if d != b.dtype]
+  for i in changed:
+    got, bucket = dtypes[i], layout.buckets[i]
+    if not (jnp.issubdtype(got, jnp.floating) and jnp.issubdtype(bucket.dtype, jnp.floating)):
       paths = [layout.slots[j].path for j in bucket.slots]
       shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
       raise TypeError(
@@ -255,7 +256,7 @@ def _unpack_as_returned(packed: Packed) -> Any:
           f"{bucket.dtype} leaves ({shown}); jpack never casts silently. Keep such leaves "
           "out of the optimizer: labels= with optax.set_to_zero() for them (integer "
           "counters, frozen tables), or out of the params.")
-  if any(d != b.dtype for d, b in zip(dtypes, layout.buckets)):
+  if changed:
     layout = _retyped(layout, dtypes)
   return unpack(Packed(packed.buckets, layout))
 

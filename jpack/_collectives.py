@@ -17,7 +17,8 @@ import numpy as np
 from jax import lax
 
 from jpack._layout import Layout, _check_plan_options, _dtype_name, _is_key_dtype
-from jpack._pack import Packed, _Buckets, _bits_dtype, _check_buckets, pack, unpack
+from jpack._pack import (Packed, _Buckets, _bits_dtype, _check_buckets, _outside_jit,
+                          _unpack_shared, pack, unpack)
 
 AxisName = Any
 
@@ -180,7 +181,7 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
     out.append(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
                               scatter=scatter))
   result = Packed(tuple(out), packed.layout)
-  return result if was_packed else unpack(result)
+  return result if was_packed else _unpacked(result)
 
 
 def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
@@ -325,7 +326,7 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
     else:
       out.append(send(x))
   result = Packed(tuple(out), packed.layout)
-  return result if was_packed else unpack(result)
+  return result if was_packed else _unpacked(result)
 
 
 def _root_only_sum(x, axis_name, root):
@@ -522,6 +523,12 @@ def _to_packed(tree, layout, plan_options, *, num_shards, op):
     plan_options = dict(plan_options)
     plan_options.setdefault("num_shards", num_shards)
   return pack(tree, layout, **plan_options), False
+
+
+def _unpacked(result: Packed) -> Any:
+  """The tree out of a collective's buckets; traced (always, but for eager shard_map
+  calls), slices of equal size share a kernel (see `_unpack_shared`)."""
+  return unpack(result) if _outside_jit(result.buckets) else _unpack_shared(result)
 
 
 def _check_comm_dtype(comm_dtype):

@@ -592,3 +592,102 @@ def test_narrow_wire_over_an_axis_wider_than_16_equals_numpy(dtype, wire):
   tol = 2 * 2**-8 * np.abs(wide).max()
   for row in np.asarray(got, np.float64):
     np.testing.assert_allclose(row, want, rtol=0, atol=tol)
+
+
+def _many_leaves(rng, n_small=300):
+  """Many small leaves of repeated sizes in several buckets per dtype, zero-size leaves
+  and two larger ones."""
+  sizes = [(3,), (5, 2), (7,), (1,), (0,), (4, 4), ()]
+  dtypes = [np.float32, jnp.bfloat16, np.int32, np.float16]
+  specs = [(sizes[i % len(sizes)], dtypes[(i // 3) % len(dtypes)]) for i in range(n_small)]
+  specs += [((64, 80), np.float32), ((40, 70), np.float32)]
+  return per_device_tree(rng, specs)
+
+
+@pytest.mark.parametrize("use_pmap,join", [(False, True), (True, True), (False, False)])
+def test_trees_of_many_leaves_in_several_buckets_equal_per_leaf_references(
+    use_pmap, join, monkeypatch):
+  # A tree returned by a collective is sliced at offsets XLA cannot fold (one kernel per
+  # leaf size): values must not depend on it. Small buckets: several per dtype, read
+  # from one joined array per dtype (the default for small leaves) or one by one.
+  if not join:
+    monkeypatch.setattr(jpack._pack, "_JOIN_MAX_BYTES_PER_LEAF", 0)
+  tree = _many_leaves(np.random.default_rng(21))
+  floats = {k: v for k, v in tree.items() if not jnp.issubdtype(v.dtype, jnp.integer)}
+  idx = lambda: jax.lax.axis_index("batch")
+  opts = dict(bucket_bytes=256, align_bytes=16)
+
+  def fn(t, f):
+    mine = (jpack.psum(t, "batch", **opts), jpack.pmean(f, "batch", **opts),
+            jpack.broadcast(t, "batch", root=5, **opts),
+            jpack.pmean(f, "batch", method="psum", **opts))
+    ref = (jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t),
+           jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), f),
+           jax.tree.map(lambda x: jax.lax.psum(jnp.where(idx() == 5, x, 0), "batch"), t),
+           jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), f))
+    return mine, ref
+
+  layout = jpack.plan(jax.tree.map(lambda x: x[0], tree), num_shards=N, **opts)
+  assert len([b for b in layout.buckets if b.dtype == np.float32]) > 3
+  both = (tree, floats)
+  if use_pmap:
+    got, want = run_pmap(lambda tf: fn(*tf), both)
+  else:
+    got, want = run_shard_map(lambda tf: fn(*tf), both)
+  for g, w in zip(got, want):
+    assert_close(g, w)
+  for k in tree:  # broadcast is bit-exact
+    assert bits(got[2][k]) == bits(tree[k][5]), k
+
+
+def test_trees_out_of_collectives_are_sliced_at_offsets_xla_cannot_fold():
+  # The mechanism behind the compile time (docs/performance.md): a folded offset would
+  # show as a static slice, one kernel per leaf.
+  tree = per_device_tree(np.random.default_rng(4), [((6,), np.float32)] * 200)
+  m = mesh()
+  body = lambda t: jpack.pmean(jax.tree.map(lambda x: x[0], t), "batch")
+  text = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("batch"), out_specs=P())).lower(
+      jax.device_put(tree, NamedSharding(m, P("batch")))).compile().as_text()
+  # (one static slice reads the predicate)
+  assert text.count("dynamic-slice(") >= 200 and text.count(" slice(") < 5
+  assert "conditional(" in text
+
+
+@pytest.mark.parametrize("op", ["pmean", "psum", "broadcast"])
+def test_derivatives_through_a_many_leaf_tree_equal_lax(op):
+  # Forward and reverse mode through the shared-kernel unpack (several leaves, an int
+  # leaf with a float0 tangent), against the same per-leaf lax program.
+  m = mesh()
+  x = jax.device_put(np.random.default_rng(6).normal(size=(N, 12)).astype(np.float32),
+                     NamedSharding(m, P("batch")))
+  idx = lambda: jax.lax.axis_index("batch")
+  floor_mean = lambda v: (jax.lax.pmean(v, "batch") if v.dtype == jnp.float32
+                          else jax.lax.psum(v, "batch") // N)  # allow_int: the floor
+  lax_op = {"pmean": floor_mean, "psum": lambda v: jax.lax.psum(v, "batch"),
+            "broadcast": lambda v: jax.lax.psum(jnp.where(idx() == 3, v, 0), "batch")}[op]
+  mine = {"pmean": lambda t: jpack.pmean(t, "batch", allow_int=True),
+          "psum": lambda t: jpack.psum(t, "batch"),
+          "broadcast": lambda t: jpack.broadcast(t, "batch", root=3)}[op]
+
+  def tree_of(v):
+    return {"a": v, "b": v[:5] * 3.0, "c": jnp.sin(v[2:9]).reshape(7, 1),
+            "n": jnp.arange(4, dtype=jnp.int32) + idx()}
+
+  def grads(f):
+    def body(v):
+      v = v[0]
+      loss = lambda v: sum(jnp.sum(jnp.cos(y) * (i + 1)) for i, y in
+                           enumerate(jax.tree.leaves(f(tree_of(v)))) if y.dtype != jnp.int32)
+      g = jax.grad(loss)(v)
+      out, t = jax.jvp(lambda v: f(tree_of(v)), (v,), (jnp.ones_like(v),))
+      return g[None], jax.tree.map(lambda y: y[None], (out, t))
+    return jax.jit(jax.shard_map(body, mesh=m, in_specs=P("batch"), out_specs=P("batch")))(x)
+
+  (g, (out, t)), (g_ref, (out_ref, t_ref)) = grads(mine), grads(lambda t: jax.tree.map(lax_op, t))
+  assert np.abs(np.asarray(g_ref)).max() > 0
+  np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-6)
+  for k in out_ref:
+    assert t[k].dtype == t_ref[k].dtype, k
+    np.testing.assert_allclose(np.asarray(out[k]), np.asarray(out_ref[k]), rtol=1e-5, atol=1e-6)
+    if t_ref[k].dtype != jax.dtypes.float0:
+      np.testing.assert_allclose(t[k], t_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)

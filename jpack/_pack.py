@@ -382,8 +382,8 @@ def _unpack_shared(packed: Packed) -> Any:
   1000 leaves costs 1000 kernels (the same leaves' per-leaf ``x * 0.125`` cost one per
   distinct shape). Here each offset comes out of a `lax.cond` whose two branches return
   the same constants (correct whatever the predicate; XLA cannot fold it), and a dtype's
-  buckets are first joined into one array (one copy of at most _JOIN_MAX_BYTES), so a
-  kernel serves every leaf of its size. Tree-in/tree-out `pmean`, lower + compile on 8
+  buckets of small leaves are first joined into one array (one copy; see
+  _JOIN_MAX_BYTES_PER_LEAF), so a kernel serves every leaf of its size. Tree-in/tree-out `pmean`, lower + compile on 8
   CPU devices: 1000 small leaves 8.2 -> 4.4-5.8 s (per-leaf `pmean` 4.8-5.4 s), 4000
   leaves 49 -> 27-32 s (per-leaf 26-28 s). Derivatives take the static `unpack` (custom
   JVP), whose transpose is one pack.
@@ -398,7 +398,8 @@ def _unpack_shared(packed: Packed) -> Any:
 # A dtype's buckets are read from one joined array, so that a slice kernel serves equal
 # sizes in every bucket, when its leaves average at most this many bytes: the join is one
 # more copy of the bytes per call, which only pays off in compile time for many small
-# leaves (a 10 MB MLP of 80 leaves: 51 -> 63 ms per step with the join).
+# leaves (a 10 MB MLP of 80 leaves: 63 ms per step with the join, 49.5 ms without, in
+# two runs of the step benchmark).
 _JOIN_MAX_BYTES_PER_LEAF = 16 << 10
 # Outputs per `lax.cond`: the SPMD partitioner's time grew with the square of one cond's
 # outputs (4000 leaves: +5.8 s with one cond; none with chunks of 64).
@@ -433,6 +434,8 @@ def _slice_shared(layout: Layout, buckets: tuple[Any, ...]) -> Any:
   for i, (bucket, x) in enumerate(zip(layout.buckets, arrays)):
     if bucket.size:
       groups.setdefault(x.dtype, []).append(i)
+  first = arrays[next(iter(groups.values()))[0]][0]
+  pred = first == first  # any value will do: both branches of every cond agree
   sources, where = [], {}  # bucket -> (source, offset of the bucket in it)
   for dtype, members in groups.items():
     total = sum(layout.buckets[i].size for i in members) * np.dtype(dtype).itemsize
@@ -444,9 +447,9 @@ def _slice_shared(layout: Layout, buckets: tuple[Any, ...]) -> Any:
         where[i] = (len(sources), start)
         start += layout.buckets[i].size
       sources.append(arrays[part[0]] if len(part) == 1 else
-                     _joined(tuple(arrays[i] for i in part)))
+                     _joined(tuple(arrays[i] for i in part), pred))
   offsets = [where[s.bucket][1] + s.offset if s.size else 0 for s in layout.slots]
-  starts = _unfoldable(offsets, anchor=sources[0][0])
+  starts = _unfoldable(offsets, pred)
   leaves = []
   for slot, start in zip(layout.slots, starts):
     if slot.size:
@@ -460,19 +463,19 @@ def _slice_shared(layout: Layout, buckets: tuple[Any, ...]) -> Any:
   return jax.tree.unflatten(layout.treedef, leaves)
 
 
-def _joined(arrays: tuple[Any, ...]) -> Any:
-  """One concatenate, computed inside a `lax.cond` so that XLA cannot fuse it into every
-  slice kernel (which then reads all the buckets: 2x the compile time per kernel at 4000
-  leaves). An optimization barrier does not stop it: XLA:CPU removes them first."""
+def _joined(arrays: tuple[Any, ...], pred: Any) -> Any:
+  """One concatenate, computed inside a `lax.cond` on ``pred`` (a value XLA cannot
+  evaluate) so that XLA cannot fuse it into every slice kernel (which then reads all the
+  buckets: 2x the compile time per kernel at 4000 leaves). An optimization barrier does
+  not stop it: XLA:CPU removes them first."""
   cat = lambda xs: lax.concatenate(xs, 0)
-  return lax.cond(arrays[0][0] == arrays[0][0], cat, cat, arrays)
+  return lax.cond(pred, cat, cat, arrays)
 
 
-def _unfoldable(values: list[int], anchor: Any) -> list[Any]:
+def _unfoldable(values: list[int], pred: Any) -> list[Any]:
   """int32 scalars equal to ``values`` that XLA cannot constant-fold: outputs of a
-  `lax.cond` on a predicate it cannot evaluate (read from ``anchor``), both of whose
-  branches return the same values. (`lax.optimization_barrier` is folded through.)"""
-  pred = anchor == anchor
+  `lax.cond` on ``pred`` (a value XLA cannot evaluate), both of whose branches return
+  the same values. (`lax.optimization_barrier` is folded through.)"""
   out: list[Any] = []
   for i in range(0, len(values), _COND_OUTPUTS):
     chunk = tuple(np.int32(v) for v in values[i:i + _COND_OUTPUTS])

@@ -56,7 +56,7 @@ def test_pack_benchmark_prints_its_table():
 @pytest.mark.timeout(600)
 def test_collectives_benchmark_prints_its_table():
   text = bench("collectives", "--workloads", "resnet50", "--max-leaves", "20", "--runs", "2",
-               "--no-sweep")
+               "--no-sweep", "--compile-rounds", "2")
   assert "per-leaf pmean" in text and "jpack s+g" in text and "jpack s+g Packed" in text
 
 
@@ -68,6 +68,7 @@ def test_unknown_benchmark_is_a_clear_error():
 
 @pytest.mark.parametrize("args, message", [
     (["collectives", "--runs", "0"], "must be >= 1"),
+    (["collectives", "--compile-rounds", "0"], "must be >= 1"),
     (["collectives", "--workloads", "resnet5"], "unknown workload(s) 'resnet5'"),
     (["collectives", "--workloads", "small_abc"], "small_N, N a positive number"),
     (["collectives", "--sweep-workload", "nope"], "--sweep-workload: unknown workload"),

@@ -382,7 +382,8 @@ def _unpack_shared(packed: Packed) -> Any:
   offset built in and reuses a kernel only for identical fusions, so a static unpack of
   1000 leaves costs 1000 kernels (the same leaves' per-leaf ``x * 0.125`` cost one per
   distinct shape). Here each offset comes out of a `lax.cond` whose two branches return
-  the same constants (correct whatever the predicate; XLA cannot fold it), and a dtype's
+  the same constants (correct whatever the predicate; XLA cannot fold it; one cond per
+  chunk of leaves, chained, see `_slice_shared`), and a dtype's
   buckets of small leaves are first joined into one array (one copy; see
   _JOIN_MAX_BYTES_PER_LEAF), so a kernel serves every leaf of its size. Tree-in/tree-out `pmean`, lower + compile on 8
   CPU devices: 1000 small leaves 8.2 -> 4.4-5.8 s (per-leaf `pmean` 4.8-5.4 s), 4000
@@ -455,19 +456,17 @@ def _slice_shared(layout: Layout, buckets: tuple[Any, ...]) -> Any:
     chunk = sized[c:c + _COND_OUTPUTS]
     *starts, zero = _unfoldable(
         [where[layout.slots[j].bucket][1] + layout.slots[j].offset for j in chunk] + [0], pred)
-    parts = {j: lax.dynamic_slice_in_dim(sources[where[layout.slots[j].bucket][0]], start,
-                                         layout.slots[j].size, allow_negative_indices=False)
-             for j, start in zip(chunk, starts)}
+    for j, start in zip(chunk, starts):
+      leaves[j] = lax.dynamic_slice_in_dim(sources[where[layout.slots[j].bucket][0]], start,
+                                           layout.slots[j].size, allow_negative_indices=False)
     # The next chunk's offsets wait for one of these slices, so that each chunk's offsets
     # live only while its slices run: XLA's buffer assignment tries every scalar that is
     # live across the whole program against every output buffer (4000 leaves: 2.2 s,
     # 1.25 s chained; per-leaf pmean 0.7 s). The link is a leaf of the commonest size, read
     # at an unfoldable 0, so one kernel serves every link.
     link = max(chunk, key=lambda j: (how_many[layout.slots[j].size], j))
-    pred = _unevaluable(lax.dynamic_slice_in_dim(parts[link], zero, 1,
+    pred = _unevaluable(lax.dynamic_slice_in_dim(leaves[link], zero, 1,
                                                  allow_negative_indices=False))
-    for j, part in parts.items():
-      leaves[j] = part
   for j, (slot, part) in enumerate(zip(layout.slots, leaves)):
     if part is None:
       part = lax.slice_in_dim(arrays[slot.bucket], 0, 0)

@@ -102,23 +102,21 @@ class Result:
   def vs(self, baseline: "Result | None") -> float | None:
     """This variant's time over ``baseline``'s: paired by rounds when they were timed
     together, else the ratio of the medians (the sweep, timed after the main table)."""
-    if baseline is None:
-      return None
-    if baseline.key == self.key:
-      return 1.0
-    if baseline.key in self.paired:
-      return self.paired[baseline.key]
-    return c.ratio(self.run_s, baseline.run_s)
+    return self._over(baseline, self.paired, lambda r: r.run_s)
 
   def compile_vs(self, baseline: "Result | None") -> float | None:
     """Lower + compile time over ``baseline``'s, paired by compile rounds."""
+    return self._over(baseline, self.compile_paired, lambda r: r.compiled.total_s)
+
+  def _over(self, baseline: "Result | None", paired: dict[str, float],
+            value: Callable[["Result"], float]) -> float | None:
     if baseline is None:
       return None
     if baseline.key == self.key:
       return 1.0
-    if baseline.key in self.compile_paired:
-      return self.compile_paired[baseline.key]
-    return c.ratio(self.compiled.total_s, baseline.compiled.total_s)
+    if baseline.key in paired:
+      return paired[baseline.key]
+    return c.ratio(value(self), value(baseline))
 
 
 class Bench:
@@ -200,7 +198,6 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...],
               for d, n in per_dtype.items()]
     specs["floor_dtypes"] = (lambda xs: lax.pmean(_local(xs), AXIS), P(), arrays)
   specs = {k: specs[k] for k in VARIANTS if k in specs}
-  calls = {k: v[2] for k, v in specs.items()}
   compiled, compile_paired = compile_in_rounds(bench, specs, compile_rounds)
   # Each variant is timed in rounds with the baselines only: in rounds of all variants,
   # one variant slowed the next (BERT `Packed`: 166 ms, 258 ms when the bf16-wire variant
@@ -214,7 +211,7 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...],
   results: dict[str, Result] = {}
   base_timings: dict[str, list[c.Timing]] = {k: [] for k in baselines}
   for group in groups:
-    timings = c.time_interleaved({k: (compiled[k].fn, (calls[k],)) for k in group},
+    timings = c.time_interleaved({k: (compiled[k].fn, (specs[k][2],)) for k in group},
                                  runs=bench.runs)
     for k in baselines:
       base_timings[k].append(timings[k])
@@ -240,12 +237,12 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...],
     print(f"  {VARIANTS[key]:<24} run {c.fmt_ms(r.run_s):>7} ms   lower "
           f"{r.compiled.lower_s:6.2f} s   compile {r.compiled.compile_s:6.2f} s   "
           f"{r.colls.short()}", flush=True)
-  del calls, specs, tree
+  del specs, tree
   return results, layout
 
 
 def compile_in_rounds(bench: Bench, specs: dict[str, tuple[Callable, Any, Any]], rounds: int
-                   ) -> tuple[dict[str, c.Compiled], dict[str, dict[str, float]]]:
+                      ) -> tuple[dict[str, c.Compiled], dict[str, dict[str, float]]]:
   """Lower and compile every variant ``rounds`` times, in rounds whose order rotates, each
   time from a new function (so that no trace or compile is reused).
 

@@ -658,6 +658,24 @@ def test_trees_out_of_collectives_are_sliced_at_offsets_xla_cannot_fold(dtypes):
   assert text.count("conditional(") >= 200 // 64
 
 
+def test_trees_out_of_collectives_off_cpu_are_sliced_statically(monkeypatch):
+  # The shared kernels hinge on lax.cond, whose predicate XLA:GPU reads back to the host
+  # (outside command buffers): off CPU a collective's tree comes out of static slices.
+  import jpack._collectives
+  monkeypatch.setattr(jpack._collectives, "_targets_cpu", lambda: False)
+  specs = [((6,), np.float32)] * 100 + [((3,), np.int32)] * 100
+  tree = per_device_tree(np.random.default_rng(5), specs)
+  m = mesh()
+  body = lambda t: jpack.psum(jax.tree.map(lambda x: x[0], t), "batch")
+  compiled = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("batch"), out_specs=P())).lower(
+      jax.device_put(tree, NamedSharding(m, P("batch")))).compile()
+  assert "conditional(" not in compiled.as_text()
+  got = compiled(jax.device_put(tree, NamedSharding(m, P("batch"))))
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(tree)):
+    assert g.dtype == x.dtype
+    np.testing.assert_allclose(g, x.sum(0, dtype=x.dtype), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("op", ["pmean", "psum", "broadcast"])
 def test_derivatives_through_a_many_leaf_tree_equal_lax(op):
   # Forward and reverse mode through the shared-kernel unpack (several leaves, an int

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import contextlib
+import re
 
 import jpack
 import jpack._pack
@@ -83,10 +84,13 @@ def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket
     packed = jax.jit(lambda t: jpack.pack(t, layout))(tree)
   for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
     assert bits(got) == bits(want)  # includes zero padding
-  back = jpack.unpack(packed)
-  assert jax.tree.structure(back) == jax.tree.structure(tree)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
-    assert bits(a) == bits(b)
+  # Eager (read on the host), traced (static slices) and traced with shared kernels
+  # (slices at offsets XLA cannot fold).
+  shared = jax.jit(lambda p: jpack.unpack(p, share_kernels=True))
+  for back in (jpack.unpack(packed), jax.jit(jpack.unpack)(packed), shared(packed)):
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+      assert bits(a) == bits(b)
 
 
 @given(tree=trees(), align=st.sampled_from([1, 4, 64, 256]),
@@ -146,6 +150,46 @@ def test_every_bit_pattern_of_narrow_floats_survives_jit(dtype, fill, num_leaves
                                                   for x in back]), patterns)
 
 
+@pytest.mark.parametrize("dtypes", [[np.float32], [np.int32, np.float32], [jnp.bfloat16]])
+def test_unpack_sharing_kernels_slices_at_offsets_xla_cannot_fold(dtypes):
+  # The mechanism behind share_kernels' compile time (docs/performance.md): a static or
+  # folded offset shows as a `slice`, one XLA:CPU kernel per leaf.
+  tree = [np.arange(6, dtype=dtypes[i * len(dtypes) // 200]) + i for i in range(200)]
+  packed = jpack.pack(tree)
+  for share in (True, False):
+    compiled = jax.jit(lambda p: jpack.unpack(p, share_kernels=share)).lower(packed).compile()
+    text = compiled.as_text()
+    if share:
+      assert text.count("dynamic-slice(") >= 200
+      assert not re.search(r"\[6\]\{0\} slice\(", text)
+      assert text.count("conditional(") >= 200 // 64
+    else:  # the default: constant offsets, which XLA fuses into consumers
+      assert "conditional(" not in text and "dynamic-slice(" not in text
+    for a, b in zip(compiled(packed), tree):
+      assert a.dtype == b.dtype and bits(a) == bits(b)
+
+
+def test_grad_through_unpack_sharing_kernels_equals_per_leaf_grad():
+  # Its derivatives are the static unpack's (custom JVP): linear, transposed to one pack.
+  rng = np.random.default_rng(1)
+  tree = {"a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+          "b": [jnp.asarray(rng.normal(size=7), jnp.float32)],
+          "c": jnp.asarray(rng.normal(size=4), jnp.bfloat16),
+          "d": jnp.asarray(rng.normal(size=9), jnp.bfloat16),
+          "n": jnp.arange(3)}
+  loss = lambda t: _loss({k: v for k, v in t.items() if k != "n"})
+  packed = jpack.pack(tree, jpack.plan(tree, align_bytes=64))
+  g_packed = jax.jit(jax.grad(lambda p: loss(jpack.unpack(p, share_kernels=True)),
+                              allow_int=True))(packed)
+  want = jax.grad(_loss)({k: v for k, v in tree.items() if k != "n"})  # no jpack involved
+  layout = packed.layout
+  for path, leaf in jax.tree_util.tree_leaves_with_path(want):
+    slot = next(s for s in layout.slots if s.path == jax.tree_util.keystr(path))
+    bucket = np.asarray(g_packed.buckets[slot.bucket], np.float32)
+    np.testing.assert_allclose(bucket[slot.offset:slot.offset + slot.size],
+                               np.asarray(leaf, np.float32).ravel(), rtol=1e-6)
+
+
 def test_empty_tree():
   packed = jpack.pack({})
   assert packed.buckets == ()
@@ -197,7 +241,12 @@ def _unpack_at_layout_offsets(packed):
   return jpack._pack._unpack_at(packed, offsets)
 
 
-@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_at_layout_offsets])
+def _unpack_sharing_kernels(packed):
+  return jpack.unpack(packed, share_kernels=True)
+
+
+@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_at_layout_offsets,
+                                    _unpack_sharing_kernels])
 def test_grad_through_unpack_equals_per_leaf_grad(unpack):
   rng = np.random.default_rng(0)
   tree = {"a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
@@ -250,7 +299,8 @@ def _check_grad_of_pack_and_jvp():
   np.testing.assert_array_equal(t_back["y"], np.ones((2, 3)))
 
 
-@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_at_layout_offsets])
+@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_at_layout_offsets,
+                                    _unpack_sharing_kernels])
 def test_backward_of_unpack_is_one_concatenate_not_thousands_of_pads(unpack):
   tree = {f"p{i}": jax.ShapeDtypeStruct((i % 7 + 1,), jnp.float32) for i in range(2000)}
   layout = jpack.plan(tree, max_leaves=None)
@@ -423,6 +473,19 @@ def test_unpack_outside_jit_compiles_sharded_buckets_with_cpu_fast_options(monke
   _assert_bit_identical(jpack.unpack(packed), tree)
   assert compiled == [layout] and on_host == []
   _assert_bit_identical(jax.jit(jpack.unpack)(packed), tree)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_unpack_of_a_sharded_bucket_that_one_leaf_fills(traced):
+  # Regression: such a leaf was reshaped straight from the sharded bucket, which JAX
+  # refuses across an Explicit axis (ResNet-50's big kernels fill their buckets).
+  tree = {"w": np.arange(64, dtype=np.float32).reshape(4, 16), "b": np.ones(8, np.float32)}
+  layout = jpack.plan(tree, num_shards=8, bucket_bytes=64, align_bytes=4)
+  assert any(b.size == 64 and len(b.slots) == 1 for b in layout.buckets)
+  mesh = jax.make_mesh((8,), ("x",))
+  packed = jax.device_put(jpack.pack(tree, layout), NamedSharding(mesh, P("x")))
+  _assert_bit_identical(jax.jit(jpack.unpack)(packed) if traced else jpack.unpack(packed),
+                        tree)
 
 
 def test_pack_leaves_sharded_differently_over_an_explicit_mesh():

@@ -4,7 +4,8 @@ Measures, in one run and per workload:
   (a) ``x * 2`` over a single array holding the same bytes as the tree,
   (b) per-leaf ``x * 2`` over the tree (returns the tree),
   (c) ``jpack.pack`` (layout static, returns a ``Packed``),
-  (d) ``jpack.unpack`` (input a ``Packed`` already on device),
+  (d) ``jpack.unpack`` (input a ``Packed`` already on device), also with
+      ``share_kernels=True`` (slices of equal size share one XLA:CPU kernel),
   (e) ``jax.flatten_util.ravel_pytree`` and its unravel, as a baseline,
   (f) ``jpack.pack`` and ``jpack.unpack`` called outside jit: first call and later calls,
 plus ``jpack.plan`` (pure Python). Every function is compiled ahead of time
@@ -96,6 +97,10 @@ def _describe(x: Any) -> str:
   return f"{len(leaves)} x {dtypes}"
 
 
+def _unpack_sharing_kernels(packed: jpack.Packed) -> Any:
+  return jpack.unpack(packed, share_kernels=True)
+
+
 def bench_workload(w: c.Workload, *, runs: int,
                    skip_unpack: str) -> tuple[dict[str, Any], jpack.Layout]:
   print(f"\n{w.describe()}", flush=True)
@@ -119,12 +124,14 @@ def bench_workload(w: c.Workload, *, runs: int,
                                      output=f"Packed {_describe(tuple(layout.bucket_shapes()))}")
 
   # (d) jpack.unpack of a Packed already on device.
-  if skip_unpack:
-    results["unpack"] = Result("jpack.unpack", _describe(tree), skipped=skip_unpack)
-    print(f"  {'jpack.unpack':<22} skipped ({skip_unpack})", flush=True)
-  else:
-    results["unpack"], _ = _measure("jpack.unpack", jpack.unpack, packed, runs=runs,
-                                    output=_describe(tree))
+  unpacks = {"unpack": ("jpack.unpack", jpack.unpack),
+             "unpack_shared": ("jpack.unpack, shared", _unpack_sharing_kernels)}
+  for key, (op, fn) in unpacks.items():
+    if skip_unpack:
+      results[key] = Result(op, _describe(tree), skipped=skip_unpack)
+      print(f"  {op:<22} skipped ({skip_unpack})", flush=True)
+    else:
+      results[key], _ = _measure(op, fn, packed, runs=runs, output=_describe(tree))
   # (f) the same calls outside jit, as a user's script makes them (pack of a numpy-free
   # tree of device arrays; unpack of a Packed on device), first call included.
   if packed is None:
@@ -223,10 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     label = name + (f" ({w.num_leaves} lv)" if w.subset else "")
     base_run = max(res["single"].run_s, res["per_leaf"].run_s)
     base_compile = res["per_leaf"].compile_total_s
-    for key in ("single", "per_leaf", "pack", "unpack", "ravel", "unravel"):
+    for key in ("single", "per_leaf", "pack", "unpack", "unpack_shared", "ravel", "unravel"):
       r = res[key]
       op = {"single": "(a) x*2 single", "per_leaf": "(b) x*2 per-leaf",
             "pack": "(c) jpack.pack", "unpack": "(d) jpack.unpack",
+            "unpack_shared": "(d) unpack, share_kernels",
             "ravel": "(e) ravel_pytree", "unravel": "(e) unravel"}[key]
       if r.skipped:
         t1.add(label, op, r.output, "skipped", "-", "-", "-", "-")
@@ -255,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
   # -- table 2: ratios ----------------------------------------------------------------
   t2 = c.Table(["workload", "leaves", "MiB", "buckets", "plan ms", "pack/max(a,b)",
                 "unpack/max(a,b)", "C(pack)/C(leaf)", "C(unpack)/C(leaf)",
-                "ravel/max(a,b)", "unravel/max(a,b)"],
+                "C(unpack sk)/C(leaf)", "ravel/max(a,b)", "unravel/max(a,b)"],
                title="Ratios (run: vs max of (a) single-array and (b) per-leaf x*2; "
-                     "C = lower+compile time, vs (b)); plan on the full tree")
+                     "C = lower+compile time, vs (b); sk = share_kernels); plan on the "
+                     "full tree")
   goals = c.Table(["goal", "workload", "value", "limit", "result"], title="Goals")
   for name, res in all_results.items():
     w = workloads[name]
@@ -268,10 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     r_unpack = c.ratio(res["unpack"].run_s, base_run)
     c_pack = c.ratio(res["pack"].compile_total_s, base_c)
     c_unpack = c.ratio(res["unpack"].compile_total_s, base_c)
+    r_shared = c.ratio(res["unpack_shared"].run_s, base_run)
+    c_shared = c.ratio(res["unpack_shared"].compile_total_s, base_c)
     label = name + (f" ({w.num_leaves} lv)" if w.subset else "")
     t2.add(label, w.num_leaves, f"{w.nbytes / 2**20:.1f}", len(layout.buckets),
            f"{1e3 * plan_times[name].median_s:.2f}", c.fmt_ratio(r_pack), c.fmt_ratio(r_unpack),
-           c.fmt_ratio(c_pack), c.fmt_ratio(c_unpack),
+           c.fmt_ratio(c_pack), c.fmt_ratio(c_unpack), c.fmt_ratio(c_shared),
            c.fmt_ratio(c.ratio(res["ravel"].run_s, base_run)),
            c.fmt_ratio(c.ratio(res["unravel"].run_s, base_run)))
 
@@ -285,8 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     goal("compile(pack) <= compile(per-leaf)", c_pack, "1.00x", c_pack is not None and c_pack <= 1)
     goal("compile(unpack) <= compile(per-leaf)", c_unpack, "1.00x",
          c_unpack is not None and c_unpack <= 1)
+    goal("unpack(share_kernels) run <= 1.5x", r_shared, "1.50x",
+         r_shared is not None and r_shared <= RUN_GOAL)
+    goal("compile(unpack(share_kernels)) <= per-leaf", c_shared, "1.00x",
+         c_shared is not None and c_shared <= 1)
     if name == "many_small_4000":
-      for key in ("pack", "unpack"):
+      for key in ("pack", "unpack", "unpack_shared"):
         v = res[key].compile_total_s
         goal(f"compile({key}) < 5 s", v, "5 s", v is not None and v < COMPILE_ABS_GOAL_S,
              fmt=lambda s: f"{s:.1f} s")

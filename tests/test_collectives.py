@@ -676,6 +676,28 @@ def test_trees_out_of_collectives_off_cpu_are_sliced_statically(monkeypatch):
     np.testing.assert_allclose(g, x.sum(0, dtype=x.dtype), rtol=1e-5, atol=1e-5)
 
 
+def test_grad_through_a_collective_of_bf16_leaves_equals_lax():
+  # Regression: the shared-kernel unpack took its tangents from the bit-exact split,
+  # whose bitcasts JAX cannot transpose (NotImplementedError under jax.grad).
+  m = mesh()
+  x = jax.device_put(np.random.default_rng(7).normal(size=(N, 12)).astype(np.float32),
+                     NamedSharding(m, P("batch")))
+
+  def grads(reduce):
+    def body(v):
+      tree = {"h": v[0, :6].astype(jnp.bfloat16), "k": (v[0, 6:] * 2).astype(jnp.bfloat16),
+              "f": v[0, 3:9]}
+      loss = lambda t: sum(jnp.sum(jnp.sin(y.astype(jnp.float32)) * (i + 1))
+                           for i, y in enumerate(jax.tree.leaves(reduce(t))))
+      return jax.tree.map(lambda g: g[None].astype(jnp.float32), jax.grad(loss)(tree))
+    return jax.jit(jax.shard_map(body, mesh=m, in_specs=P("batch"), out_specs=P("batch")))(x)
+
+  got = grads(lambda t: jpack.psum(t, "batch"))
+  want = grads(lambda t: jax.tree.map(lambda y: jax.lax.psum(y, "batch"), t))
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=2e-2, atol=2e-2, err_msg=k)
+
+
 @pytest.mark.parametrize("op", ["pmean", "psum", "broadcast"])
 def test_derivatives_through_a_many_leaf_tree_equal_lax(op):
   # Forward and reverse mode through the shared-kernel unpack (several leaves, an int

@@ -301,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     goal("compile(unpack(share_kernels)) <= per-leaf", c_shared, "1.00x",
          c_shared is not None and c_shared <= 1)
     if name == "many_small_4000":
-      for key in ("pack", "unpack", "unpack_shared"):
+      for key, op in (("pack", "pack"), ("unpack", "unpack"),
+                      ("unpack_shared", "unpack(share_kernels)")):
         v = res[key].compile_total_s
-        goal(f"compile({key}) < 5 s", v, "5 s", v is not None and v < COMPILE_ABS_GOAL_S,
+        goal(f"compile({op}) < 5 s", v, "5 s", v is not None and v < COMPILE_ABS_GOAL_S,
              fmt=lambda s: f"{s:.1f} s")
   for name in all_results:
     full_leaves = workloads[name].full_leaves

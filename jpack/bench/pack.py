@@ -97,6 +97,15 @@ def _describe(x: Any) -> str:
   return f"{len(leaves)} x {dtypes}"
 
 
+def _label(name: str, w: c.Workload) -> str:
+  return name + (f" ({w.num_leaves} lv)" if w.subset else "")
+
+
+def _base_run(res: dict[str, Any]) -> float:
+  """The run-time baseline: the larger of (a) single-array and (b) per-leaf ``x * 2``."""
+  return max(res["single"].run_s, res["per_leaf"].run_s)
+
+
 def _unpack_sharing_kernels(packed: jpack.Packed) -> Any:
   return jpack.unpack(packed, share_kernels=True)
 
@@ -226,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                title="Run time (median) and compile time per op; compile/per-leaf compares "
                      "lower + compile")
   for name, res in all_results.items():
-    w = workloads[name]
-    label = name + (f" ({w.num_leaves} lv)" if w.subset else "")
-    base_run = max(res["single"].run_s, res["per_leaf"].run_s)
+    label, base_run = _label(name, workloads[name]), _base_run(res)
     base_compile = res["per_leaf"].compile_total_s
     for key in ("single", "per_leaf", "pack", "unpack", "unpack_shared", "ravel", "unravel"):
       r = res[key]
@@ -249,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                     title="Called outside jit (f): first call, compile included, and later "
                           "calls; per-leaf first = (b)'s lower + compile + run")
   for name, res in all_results.items():
-    w = workloads[name]
-    label = name + (f" ({w.num_leaves} lv)" if w.subset else "")
-    base_run = max(res["single"].run_s, res["per_leaf"].run_s)
+    label, base_run = _label(name, workloads[name]), _base_run(res)
     per_leaf_first = res["per_leaf"].compile_total_s + res["per_leaf"].run_s
     for key in ("eager_pack", "eager_unpack"):
       e = res[key]
@@ -271,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
   for name, res in all_results.items():
     w = workloads[name]
     layout = layouts[name]
-    base_run = max(res["single"].run_s, res["per_leaf"].run_s)
+    base_run = _base_run(res)
     base_c = res["per_leaf"].compile_total_s
     r_pack = c.ratio(res["pack"].run_s, base_run)
     r_unpack = c.ratio(res["unpack"].run_s, base_run)
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     c_unpack = c.ratio(res["unpack"].compile_total_s, base_c)
     r_shared = c.ratio(res["unpack_shared"].run_s, base_run)
     c_shared = c.ratio(res["unpack_shared"].compile_total_s, base_c)
-    label = name + (f" ({w.num_leaves} lv)" if w.subset else "")
+    label = _label(name, w)
     t2.add(label, w.num_leaves, f"{w.nbytes / 2**20:.1f}", len(layout.buckets),
            f"{1e3 * plan_times[name].median_s:.2f}", c.fmt_ratio(r_pack), c.fmt_ratio(r_unpack),
            c.fmt_ratio(c_pack), c.fmt_ratio(c_unpack), c.fmt_ratio(c_shared),

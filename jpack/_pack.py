@@ -201,21 +201,23 @@ def unpack(packed: Packed, *, share_kernels: bool = False) -> Any:
     share_kernels: inside a jit, slice at offsets XLA cannot constant-fold, so that
       slices of equal size share one compiled XLA:CPU kernel instead of one kernel per
       leaf. Compiles much faster with many leaves (`jax.jit(unpack)` of 4000 leaves:
-      6-7 s instead of 37 s), runs a little slower: each leaf becomes a copy of its own
-      that static slices let XLA fuse into their consumers (a step whose loss unpacks
-      1600 leaves of packed params: about 9 % slower). Worth it when you recompile
-      often or have thousands of leaves; the default keeps the fastest steps. Tuned and
-      measured on XLA:CPU only. No effect outside jit.
+      8.5-9 s instead of 34-35 s; per-leaf ``x * 2``: 5.5 s), runs a little slower
+      inside a step: each leaf becomes a copy of its own that static slices let XLA
+      fuse into their consumers (a step whose loss unpacks 1600 leaves of packed
+      params: about 9 % slower). Worth it when you recompile often or have thousands
+      of leaves; the default keeps the fastest steps. Tuned and measured on XLA:CPU
+      only. No effect outside jit.
 
   Returns:
     The tree, every leaf with its original shape and dtype.
 
   Called outside `jax.jit` on CPU buckets that every local device holds in full (one
   device, or replicated), the leaves are copied out of the buckets' memory with no
-  compilation at all (the 4000-leaf workload: 0.08 s for the first call, where
-  `jax.jit(unpack)` compiles for 28.5 s; 0.3 s and 31 s on an older VM); other buckets are unpacked by one program compiled for the call
-  (on CPU with XLA:CPU's older loop emitters, which compile slices 2-4x faster). Inside a
-  jit it is traced like any other function, and its slices fuse into their consumers.
+  compilation at all (the 4000-leaf workload: 0.09 s for the first call, where
+  `jax.jit(unpack)` compiles for 35 s); other buckets are unpacked by one program
+  compiled for the call (on CPU with XLA:CPU's older loop emitters, which compile slices
+  2-4x faster). Inside a jit it is traced like any other function, and its static
+  slices fuse into their consumers.
 
   Examples:
     >>> import jax.numpy as jnp, jpack
@@ -395,8 +397,9 @@ _unpack_at_vjp.defvjp(_unpack_at_fwd, _unpack_at_bwd)
 def _unpack_shared(packed: Packed) -> Any:
   """`unpack` inside a trace whose slices of equal size share one XLA:CPU kernel.
 
-  For the trees a collective returns on CPU, and ``unpack(share_kernels=True)``. XLA:CPU compiles a kernel per slice with its
-  offset built in and reuses a kernel only for identical fusions, so a static unpack of
+  For the trees a collective returns on CPU, and ``unpack(share_kernels=True)``.
+  XLA:CPU compiles a kernel per slice with its offset built in and reuses a kernel only
+  for identical fusions, so a static unpack of
   1000 leaves costs 1000 kernels (the same leaves' per-leaf ``x * 0.125`` cost one per
   distinct shape). Here each offset comes out of a `lax.cond` whose two branches return
   the same constants (correct whatever the predicate; XLA cannot fold it; one cond per

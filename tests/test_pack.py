@@ -555,3 +555,18 @@ def test_hand_built_packed_with_a_wrong_layout_is_refused():
     jpack.Packed(p.buckets, None)
   with pytest.raises(TypeError, match="needs a jpack.Layout"):
     jpack.Packed(p.layout, p.buckets)
+
+
+@pytest.mark.parametrize("share_kernels", [False, True])
+def test_unpack_under_vmap_equals_numpy(share_kernels):
+  # Under vmap the shared kernels' cond predicate is batched (the cond becomes a select,
+  # each slice a gather): slower, but the values must not change.
+  rng = np.random.default_rng(8)
+  stacked = {"a": rng.normal(size=(5, 3, 4)).astype(np.float32),
+             "b": rng.normal(size=(5, 7)).astype(np.float32),
+             "h": rng.normal(size=(5, 6)).astype(jnp.bfloat16),
+             "n": rng.integers(-9, 9, size=(5, 2)).astype(np.int32)}
+  layout = jpack.plan(jax.tree.map(lambda x: x[0], stacked))
+  packed = jax.vmap(lambda t: jpack.pack(t, layout))(stacked)
+  back = jax.jit(jax.vmap(lambda p: jpack.unpack(p, share_kernels=share_kernels)))(packed)
+  _assert_bit_identical(back, stacked)

@@ -678,7 +678,7 @@ def test_trees_out_of_collectives_off_cpu_are_sliced_statically(monkeypatch):
 
 def test_grad_through_a_collective_of_bf16_leaves_equals_lax():
   # Regression: the shared-kernel unpack took its tangents from the bit-exact split,
-  # whose bitcasts JAX cannot transpose (NotImplementedError under jax.grad).
+  # whose bitcasts JAX cannot transpose (KeyError: bitcast_convert_type under jax.grad).
   m = mesh()
   x = jax.device_put(np.random.default_rng(7).normal(size=(N, 12)).astype(np.float32),
                      NamedSharding(m, P("batch")))

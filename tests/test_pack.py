@@ -169,27 +169,6 @@ def test_unpack_sharing_kernels_slices_at_offsets_xla_cannot_fold(dtypes):
       assert a.dtype == b.dtype and bits(a) == bits(b)
 
 
-def test_grad_through_unpack_sharing_kernels_equals_per_leaf_grad():
-  # Its derivatives are the static unpack's (custom JVP): linear, transposed to one pack.
-  rng = np.random.default_rng(1)
-  tree = {"a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
-          "b": [jnp.asarray(rng.normal(size=7), jnp.float32)],
-          "c": jnp.asarray(rng.normal(size=4), jnp.bfloat16),
-          "d": jnp.asarray(rng.normal(size=9), jnp.bfloat16),
-          "n": jnp.arange(3)}
-  loss = lambda t: _loss({k: v for k, v in t.items() if k != "n"})
-  packed = jpack.pack(tree, jpack.plan(tree, align_bytes=64))
-  g_packed = jax.jit(jax.grad(lambda p: loss(jpack.unpack(p, share_kernels=True)),
-                              allow_int=True))(packed)
-  want = jax.grad(_loss)({k: v for k, v in tree.items() if k != "n"})  # no jpack involved
-  layout = packed.layout
-  for path, leaf in jax.tree_util.tree_leaves_with_path(want):
-    slot = next(s for s in layout.slots if s.path == jax.tree_util.keystr(path))
-    bucket = np.asarray(g_packed.buckets[slot.bucket], np.float32)
-    np.testing.assert_allclose(bucket[slot.offset:slot.offset + slot.size],
-                               np.asarray(leaf, np.float32).ravel(), rtol=1e-6)
-
-
 def test_empty_tree():
   packed = jpack.pack({})
   assert packed.buckets == ()
@@ -312,10 +291,11 @@ def test_backward_of_unpack_is_one_concatenate_not_thousands_of_pads(unpack):
   assert "pad" not in prims and "dynamic_update_slice" not in prims
 
 
-def test_integer_leaves_do_not_break_grad():
+@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_sharing_kernels])
+def test_integer_leaves_do_not_break_grad(unpack):
   tree = {"w": jnp.arange(3.0), "step": jnp.int32(4)}
   packed = jpack.pack(tree)
-  g = jax.grad(lambda p: jnp.sum(jpack.unpack(p)["w"] ** 2), allow_int=True)(packed)
+  g = jax.grad(lambda p: jnp.sum(unpack(p)["w"] ** 2), allow_int=True)(packed)
   by_dtype = {b.dtype.name: g.buckets[i] for i, b in enumerate(packed.layout.buckets)}
   assert by_dtype["int32"].dtype == jax.dtypes.float0
   slot = packed.layout.slots[1]  # "w" (sorted keys: step, w)

@@ -146,14 +146,18 @@ def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     allow_int: integer leaves have no exact mean in their own dtype, so they are refused
       unless this is True; then each leaf gets the floor of the exact mean, in its own
       dtype, with no overflow over the whole dtype range (values equal on every device,
-      like step counters, come back unchanged; it costs a second, int32 collective per
-      integer bucket). ``jax.lax.pmean`` would instead return float32.
+      like step counters, come back unchanged; it costs a second, uint32 collective per
+      integer bucket). Exact over axes of up to 65536 devices, or any size with
+      ``jax_enable_x64`` on (the second collective is then int64 beyond 65536).
+      ``jax.lax.pmean`` would instead return float32.
 
   Returns:
     The averaged tree (or `Packed`), same structure and dtypes as ``tree``.
 
   Raises:
     TypeError: an integer leaf without ``allow_int=True``, a bool leaf, or a PRNG key.
+    ValueError: ``allow_int=True`` with integer leaves over an axis of more than 65536
+      devices while 64-bit types are off.
   """
   return _reduce(tree, axis_name, mean=True, comm_dtype=comm_dtype, layout=layout,
                  method=method, allow_int=allow_int, plan_options=plan_options)
@@ -230,14 +234,24 @@ def _floor_mean(x, n, reduce):
 
   Summing first overflows (eight int8 100s sum to 800); with x = n*q + r, 0 <= r < n,
   the mean is sum(q) + floor(sum(r) / n): sum(q) is within a rounding of the result
-  (and modular arithmetic undoes any wrap), sum(r) < n*n is summed in int32. When n
-  itself does not fit in x's dtype (8 devices and int4, 200 and int8), the split is made
-  in int32, and the mean, which fits x's dtype, is cast back.
+  (and modular arithmetic undoes any wrap), and sum(r) <= n*(n-1) is summed in uint32
+  (exact up to 65536 devices; int32 wrapped from 46342 on), or in int64 when 64-bit
+  types are on. When n itself does not fit in x's dtype (8 devices and int4, 200 and
+  int8), the split is made in int32, and the mean, which fits x's dtype, is cast back.
   """
   if n > jnp.iinfo(x.dtype).max:
     return _floor_mean(x.astype(jnp.int32), n, reduce).astype(x.dtype)
+  if n <= 2**16:
+    remainders = jnp.uint32
+  elif jax.config.jax_enable_x64:
+    remainders = jnp.int64
+  else:
+    raise ValueError(f"An integer mean over an axis of {n} devices sums remainders up to "
+                     f"{n}*{n - 1}, past 32 bits (exact up to 65536 devices). Enable 64-bit "
+                     "types (jax.config.update('jax_enable_x64', True)), or psum the "
+                     "integers and divide them yourself.")
   q = x // n
-  r = (x - q * n).astype(jnp.int32)
+  r = (x - q * n).astype(remainders)
   return reduce(q) + (reduce(r) // n).astype(x.dtype)
 
 

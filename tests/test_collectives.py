@@ -396,6 +396,38 @@ def test_allowed_int_mean_over_a_wide_vmap_axis(dtype, size):
   np.testing.assert_array_equal(np.asarray(got["x"]), np.broadcast_to(want, ints.shape))
 
 
+
+@pytest.mark.parametrize("dtype,size", [(np.int16, 40000), (np.int32, 46342),
+                                        (np.int16, 60000), (np.int32, 65536)])
+def test_allowed_int_mean_over_axes_past_the_int32_remainder_sum(dtype, size):
+  # Every -1 leaves the remainder size - 1 on every device: size * (size - 1) wrapped
+  # int32 from 46342 on (a mean of -1 came out -27145). 40000 does not fit int16.
+  # The layout is planned without num_shards: one shard per vmapped device would pad
+  # each bucket to size * 64 elements, size times over.
+  rng = np.random.default_rng(15)
+  ints = np.full((size, 3), -1, dtype)
+  ints[:, 1] = rng.integers(-300, 300, size)
+  ints[:, 2] = np.iinfo(dtype).min
+  want = ints.astype(np.int64).sum(0) // size
+  layout = jpack.plan({"x": jax.ShapeDtypeStruct((3,), dtype)})
+  got = jax.vmap(lambda t: jpack.pmean(t, "i", allow_int=True, layout=layout),
+                 axis_name="i")({"x": ints})["x"]
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got[0]).astype(np.int64), want)
+
+
+def test_allowed_int_mean_past_65536_devices_needs_64_bit_sums():
+  size = 65537
+  ints = np.full((size, 2), -1, np.int32)
+  layout = jpack.plan({"x": jax.ShapeDtypeStruct((2,), np.int32)})
+  mean = lambda t: jpack.pmean(t, "i", allow_int=True, layout=layout)
+  if not jax.config.jax_enable_x64:
+    with pytest.raises(ValueError, match="axis of 65537 devices.*jax_enable_x64"):
+      jax.vmap(mean, axis_name="i")({"x": ints})
+  with jax.enable_x64(True):
+    got = jax.vmap(mean, axis_name="i")({"x": ints})["x"]
+  np.testing.assert_array_equal(np.asarray(got[0]), [-1, -1])
+
 @pytest.mark.parametrize("op,kw", [("pmean", {}), ("pmean", {"method": "psum"}),
                                    ("psum", {}), ("broadcast", {})])
 def test_a_packed_whose_buckets_do_not_match_its_layout_is_refused(op, kw):

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 
 import jax
 
@@ -46,3 +47,12 @@ def bits(x) -> bytes:
     x = jax.random.key_data(x)
   a = np.asarray(x)
   return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
+
+
+def assert_sliced_at_unfoldable_offsets(hlo: str, num_leaves: int, size: int) -> None:
+  """Compiled HLO of a shared-kernel unpack of ``num_leaves`` leaves of ``size``
+  elements: every leaf a dynamic slice (a static or folded offset shows as a `slice`,
+  one XLA:CPU kernel per leaf), offsets from one cond per 64 leaves."""
+  assert hlo.count("dynamic-slice(") >= num_leaves
+  assert not re.search(rf"\[{size}\]\{{0\}} slice\(", hlo)  # no leaf sliced statically
+  assert hlo.count("conditional(") >= num_leaves // 64

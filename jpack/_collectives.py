@@ -8,6 +8,7 @@ packed), so persistent packed training pays no packing at all.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -16,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jpack._layout import Layout, _check_plan_options, _dtype_name, _is_key_dtype
-from jpack._pack import (Packed, _Buckets, _bits_dtype, _check_buckets, _targets_cpu, pack,
-                          unpack)
+from jpack._internal import bits_dtype, dtype_name, is_key_dtype
+from jpack._layout import Layout, check_plan_options
+from jpack import _cpu as cpu
+from jpack._pack import Packed, buckets_repr, check_buckets, pack, unpack
 
 AxisName = Any
 
@@ -58,8 +60,9 @@ def _not_varying(x: Any, axis_name: AxisName) -> tuple[Any, ...]:
 METHODS = ("auto", "psum", "scatter_gather")
 
 
-@jax.tree_util.register_pytree_node_class
-class Shards(_Buckets):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shards:
   """This device's equal slice of every bucket of a `Packed` (ZeRO-style sharding).
 
   Attributes:
@@ -67,7 +70,17 @@ class Shards(_Buckets):
     layout: the `Layout` of the full, unsharded buckets.
   """
 
-  __slots__ = ()
+  buckets: tuple[Any, ...]
+  layout: Layout = dataclasses.field(metadata=dict(static=True))
+
+  def __post_init__(self):
+    if not isinstance(self.layout, Layout):
+      raise TypeError(f"Shards(buckets, layout) needs a jpack.Layout as its second "
+                      f"argument, got {type(self.layout).__name__}.")
+    object.__setattr__(self, "buckets", tuple(self.buckets))
+
+  def __repr__(self) -> str:
+    return buckets_repr(self)
 
 
 # -- reductions ------------------------------------------------------------------------
@@ -171,36 +184,60 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
   op = "pmean" if mean else "psum"
   packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=n, op=op)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int, op=op)
-  out = []
-  for i, (bucket, x) in enumerate(zip(packed.layout.buckets, packed.buckets)):
-    if bucket.size == 0:  # only zero-size leaves: nothing to scatter
-      out.append(lax.psum(x, axis_name))
-      continue
-    scatter = method == "scatter_gather" or (method == "auto" and bucket.size % n == 0
-                                             and bucket.size > 0)
+  for i, bucket in enumerate(packed.layout.buckets):
     if method == "scatter_gather" and bucket.size % n:
       raise ValueError(f"Bucket {i} ({bucket.dtype}) has {bucket.size} elements, which do "
                        f"not split evenly over {n} devices (method='scatter_gather'); plan "
                        f"with num_shards={n} or use method='psum'.")
-    out.append(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
-                              scatter=scatter))
-  result = Packed(tuple(out), packed.layout)
+  scatter = [method == "scatter_gather" or (method == "auto" and b.size % n == 0)
+             for b in packed.layout.buckets]
+  plain = [method == "scatter_gather"] * len(scatter)
+  out = _reduce_buckets(packed.buckets, axis_name, n, scatter_on_cpu=scatter,
+                        scatter_elsewhere=plain, mean=mean, comm_dtype=comm_dtype,
+                        gather=True)
+  result = Packed(out, packed.layout)
   return result if was_packed else _unpacked(result)
 
 
-def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather=True):
+def _reduce_buckets(buckets, axis_name, n, *, scatter_on_cpu, scatter_elsewhere, mean,
+                    comm_dtype, gather):
+  """Each bucket reduced (psum, or psum_scatter + all_gather where ``scatter_*``), the
+  XLA:CPU way in programs lowered for CPU (see `cpu.reduce_narrow`, ``method="auto"``)."""
+  def plain(buckets):
+    return tuple(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
+                                scatter=s, gather=gather)
+                 for x, s in zip(buckets, scatter_elsewhere))
+
+  def on_cpu(buckets):
+    return tuple(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
+                                scatter=s, gather=gather, narrow=_narrow(x, comm_dtype, s))
+                 for x, s in zip(buckets, scatter_on_cpu))
+
+  differs = scatter_on_cpu != scatter_elsewhere or any(
+      _narrow(x, comm_dtype, s) for x, s in zip(buckets, scatter_on_cpu))
+  return cpu.choose(on_cpu, plain, tuple(buckets)) if differs else plain(buckets)
+
+
+def _narrow(x, comm_dtype, scatter):
+  """A scattered floating bucket whose wire is narrower than it or than 32 bits."""
+  if not (scatter and x.size and jnp.issubdtype(x.dtype, jnp.floating)):
+    return False
+  wire = np.dtype(comm_dtype if comm_dtype is not None else x.dtype)
+  return wire.itemsize < max(np.dtype(x.dtype).itemsize, 4)
+
+
+def _reduce_bucket(x, axis_name, n, *, mean, comm_dtype, scatter, gather, narrow=False):
   """Reduce one bucket: psum, or psum_scatter (+ all_gather unless ``gather=False``)."""
   dtype = x.dtype
   if x.size == 0:  # only zero-size leaves: XLA refuses to scatter an empty array
-    return jnp.zeros((0,), dtype)
+    return lax.psum(x, axis_name) if gather else jnp.zeros((0,), dtype)
   # Complex buckets keep their dtype: a real wire dtype would drop the imaginary part.
   floating = jnp.issubdtype(dtype, jnp.floating)
   wire = comm_dtype if (floating and comm_dtype is not None) else dtype
-  if scatter and floating and np.dtype(wire).itemsize < max(np.dtype(dtype).itemsize, 4):
-    # A wire narrower than the bucket, or a 16/8-bit float bucket on its own wire: keep
-    # those bytes on the wire (XLA:CPU widens such collectives to f32) and sum in f32.
-    accumulate = _wider(dtype, jnp.float32)
-    return _scatter_narrow_diff(x, axis_name, n, mean, np.dtype(wire), accumulate, gather)
+  if narrow:
+    return cpu.reduce_narrow(x, axis_name, n, mean=mean, wire=np.dtype(wire),
+                             accumulate=_wider(dtype, jnp.float32), gather=gather,
+                             all_gather=_all_gather)
 
   def reduce(v):
     if scatter:
@@ -255,53 +292,6 @@ def _floor_mean(x, n, reduce):
   return reduce(q) + (reduce(r) // n).astype(x.dtype)
 
 
-def _scatter_narrow(x, axis_name, n, *, mean, wire, accumulate, gather):
-  """Reduce-scatter (+ all-gather) of a floating bucket over a narrow (< 32-bit) wire.
-
-  XLA:CPU widens 16-bit float collectives to f32, so a bf16 ``psum_scatter`` sends as
-  many bytes as an f32 one. Here the wire values travel as same-width unsigned integers,
-  which no backend widens: an ``all_to_all`` hands each device the n copies of its chunk,
-  the device sums them in ``accumulate`` (f32 or wider), and, if gathering, the result
-  travels back rounded once to the wire dtype. Same bytes as a ring reduce-scatter.
-  """
-  dtype = x.dtype
-  bits = _bits_dtype(wire)
-  chunks = lax.bitcast_convert_type(x.astype(wire), bits).reshape(n, -1)
-  chunks = lax.all_to_all(chunks, axis_name, 0, 0, tiled=False)
-  chunks = lax.bitcast_convert_type(chunks, wire).astype(accumulate)
-  if n <= 16:  # unrolled adds fuse into one loop; XLA:CPU's reduce over axis 0 was 3x slower
-    y = chunks[0]
-    for j in range(1, n):
-      y = y + chunks[j]
-  else:
-    y = jnp.sum(chunks, axis=0)
-  if mean:
-    y = y / n
-  if not gather:
-    return y.astype(dtype)
-  y = _all_gather(lax.bitcast_convert_type(y.astype(wire), bits), axis_name, axis=0,
-                  tiled=True)
-  return lax.bitcast_convert_type(y, wire).astype(dtype)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def _scatter_narrow_diff(x, axis_name, n, mean, wire, accumulate, gather):
-  """`_scatter_narrow`, differentiable: its values travel as integer bits, through which
-  no derivative flows, so the tangent takes the same reduction in linear primitives."""
-  return _scatter_narrow(x, axis_name, n, mean=mean, wire=wire, accumulate=accumulate,
-                         gather=gather)
-
-
-@_scatter_narrow_diff.defjvp
-def _scatter_narrow_jvp(axis_name, n, mean, wire, accumulate, gather, primals, tangents):
-  (x,), (t,) = primals, tangents
-  y = _scatter_narrow_diff(x, axis_name, n, mean, wire, accumulate, gather)
-  dy = lax.psum_scatter(t.astype(wire).astype(accumulate), axis_name, scatter_dimension=0,
-                        tiled=True)
-  dy = (dy / n if mean else dy).astype(x.dtype)
-  return y, (_all_gather(dy, axis_name, axis=0, tiled=True) if gather else dy)
-
-
 # -- broadcast -------------------------------------------------------------------------
 
 
@@ -353,7 +343,7 @@ def _root_only_sum(x, axis_name, root):
 def _send_bits(x, axis_name, root):
   """root's floats on every device, bit-exact (as integers, so -0.0 and NaN payloads
   survive); differentiable like the float sum it stands for."""
-  bits = lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+  bits = lax.bitcast_convert_type(x, bits_dtype(x.dtype))
   return lax.bitcast_convert_type(_root_only_sum(bits, axis_name, root), x.dtype)
 
 
@@ -414,9 +404,10 @@ def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
   _check_shardable(packed.layout, n)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int or not mean,
                    op="reduce_scatter")
-  return Shards(tuple(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
-                                     scatter=True, gather=False)
-                      for x in packed.buckets), packed.layout)
+  scatter = [True] * len(packed.buckets)
+  return Shards(_reduce_buckets(packed.buckets, axis_name, n, scatter_on_cpu=scatter,
+                                scatter_elsewhere=scatter, mean=mean, comm_dtype=comm_dtype,
+                                gather=False), packed.layout)
 
 
 def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
@@ -526,12 +517,12 @@ def _axis_size(axis_name: AxisName) -> int:
 
 def _to_packed(tree, layout, plan_options, *, num_shards, op):
   if plan_options:
-    _check_plan_options(plan_options, f"jpack.{op}")
+    check_plan_options(plan_options, f"jpack.{op}")
   if isinstance(tree, Packed):
     if layout is not None or plan_options:
       raise TypeError("Got a Packed and a layout or plan options; a Packed carries its "
                       "own layout. Pass one or the other.")
-    _check_buckets(tree.buckets, tree.layout)  # e.g. a per-device axis left on by shard_map
+    check_buckets(tree.buckets, tree.layout)  # e.g. a per-device axis left on by shard_map
     return tree, True
   if layout is None:
     plan_options = dict(plan_options)
@@ -540,12 +531,9 @@ def _to_packed(tree, layout, plan_options, *, num_shards, op):
 
 
 def _unpacked(result: Packed) -> Any:
-  """The tree out of a collective's buckets. On CPU its slices share kernels (see
-  `_unpack_shared`): a collective's outputs are copied out of the buckets anyway, so
-  only compile time changes (1000 leaves: 8.2 s -> 5 s). Elsewhere static slices: the
-  shared kernels hinge on `lax.cond`, whose predicate XLA:GPU reads back to the host
-  outside command buffers, and were never measured there."""
-  return unpack(result, share_kernels=_targets_cpu())
+  """The tree out of a collective's buckets. Its leaves are copied out of the buckets
+  anyway, so slicing with shared kernels (on CPU) changes only the compile time."""
+  return unpack(result, share_kernels=True)
 
 
 def _check_comm_dtype(comm_dtype):
@@ -565,8 +553,8 @@ def _check_comm_dtype(comm_dtype):
 def _check_reducible(layout: Layout, *, mean: bool, allow_int: bool, op: str) -> None:
   for slot in layout.slots:
     where = slot.path or "<root>"
-    if _is_key_dtype(slot.dtype):
-      raise TypeError(f"Leaf at {where} is a PRNG key ({_dtype_name(slot.dtype)}); keys "
+    if is_key_dtype(slot.dtype):
+      raise TypeError(f"Leaf at {where} is a PRNG key ({dtype_name(slot.dtype)}); keys "
                       f"cannot be summed or averaged. Keep keys out of the tree given to "
                       f"{op}, or use jpack.broadcast to share them.")
     if slot.dtype == jnp.bool_:

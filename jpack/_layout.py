@@ -2,25 +2,25 @@
 
 Everything here is pure Python on shapes and dtypes (never values), so a `Layout` can be
 built from `jax.ShapeDtypeStruct`s, under `jit`, or under `jax.eval_shape`, and used as a
-static (hashable) argument without retracing.
+static (hashable) argument without retracing. Its text, HTML and JSON forms live in
+`jpack._layout_format`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import html
 import inspect
-import json
 import math
 import operator
-import re
-from typing import Any, Callable, Hashable, Mapping, NamedTuple
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jpack._internal import dtype_name, is_key_dtype, key_words, storage_dtype, where
+from jpack._layout_format import (layout_fingerprint, layout_from_json, layout_to_json,
+                                  summary_html, summary_text)
 
 # Defaults, chosen from measurements (see docs/concepts.md, "Choosing defaults").
 # On CPU several buckets of <= 4 MiB reduced one by one beat one huge collective and
@@ -34,9 +34,8 @@ DEFAULT_MAX_LEAVES = 512
 # CUDA's allocation alignment; keeps every leaf on its own cache-line / vector boundary.
 DEFAULT_ALIGN_BYTES = 256
 # Leaves of at least 1 MiB get a bucket of their own: packing one is a reshape, not a
-# copy, and its collective is already big enough to be efficient. Measured on CPU
-# (docs/concepts.md): a standalone pmean of ResNet-50's tree 1.20x -> 0.71x of per-leaf,
-# MLP 24x1024 ZeRO-1 step 1.94x -> 2.39x, other steps unchanged within noise.
+# copy, and its collective is already big enough to be efficient (measurements in
+# docs/concepts.md).
 DEFAULT_SOLO_BYTES: int | None = 2**20
 
 GroupFn = Callable[[str, Any], Hashable]
@@ -64,7 +63,7 @@ class Slot(NamedTuple):
 
   @property
   def nbytes(self) -> int:
-    return self.size * _storage_dtype(self.dtype).itemsize
+    return self.size * storage_dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +129,7 @@ class Layout:
   @property
   def fingerprint(self) -> str:
     """A short hash, equal across processes and runs for the same tree and options."""
-    digest = hashlib.sha256(self.to_json().encode()).hexdigest()
-    return digest[:16]
+    return layout_fingerprint(self)
 
   def shapes(self) -> Any:
     """The tree of `jax.ShapeDtypeStruct`s this layout packs."""
@@ -144,27 +142,6 @@ class Layout:
 
   # -- display -------------------------------------------------------------------------
 
-  def _bucket_rows(self) -> list[tuple[str, ...]]:
-    rows = []
-    for i, b in enumerate(self.buckets):
-      used = sum(self.slots[j].nbytes for j in b.slots)
-      pad = 100.0 * (b.nbytes - used) / b.nbytes if b.nbytes else 0.0
-      rows.append((str(i), _group_name(b.group), str(len(b.slots)), f"{b.size:,}",
-                   _human(b.nbytes), f"{pad:.1f}%"))
-    return rows
-
-  def _leaf_rows(self) -> list[tuple[str, ...]]:
-    rows = []
-    for b_index, b in enumerate(self.buckets):
-      for j in b.slots:
-        s = self.slots[j]
-        rows.append((str(b_index), str(s.offset), str(s.size), _dtype_name(s.dtype),
-                     str(s.shape), s.path or "<root>"))
-    return rows
-
-  _BUCKET_HEADER = ("bucket", "dtype", "leaves", "elements", "bytes", "padding")
-  _LEAF_HEADER = ("bucket", "offset", "size", "dtype", "shape", "path")
-
   def summary(self, leaves: bool = False) -> str:
     """A readable table of the buckets (and, with ``leaves=True``, of every leaf).
 
@@ -173,14 +150,20 @@ class Layout:
 
     Returns:
       The table as a string; ``print(layout.summary())``.
+
+    Examples:
+      >>> import jax, jpack
+      >>> layout = jpack.plan({"w": jax.ShapeDtypeStruct((3, 4), "float32")})
+      >>> print(layout.summary(leaves=True))  # doctest: +ELLIPSIS
+      Layout ...: 1 leaves in 1 buckets, 48 B of leaves in 256 B (align 256 B, 1 shard(s))
+      bucket  dtype    leaves  elements  bytes  padding
+      ------  -------  ------  --------  -----  -------
+           0  float32       1        64  256 B    81.2%
+      bucket  offset  size  dtype    shape   path
+      ------  ------  ----  -------  ------  -----
+           0       0    12  float32  (3, 4)  ['w']
     """
-    out = [f"Layout {self.fingerprint}: {self.num_leaves} leaves in {len(self.buckets)} "
-           f"buckets, {_human(self.leaf_nbytes)} of leaves in {_human(self.nbytes)} "
-           f"(align {self.align_bytes} B, {self.num_shards} shard(s))"]
-    out.append(_text_table(self._BUCKET_HEADER, self._bucket_rows()))
-    if leaves:
-      out.append(_text_table(self._LEAF_HEADER, self._leaf_rows()))
-    return "\n".join(out)
+    return summary_text(self, leaves)
 
   def __str__(self) -> str:
     return self.summary()
@@ -190,31 +173,23 @@ class Layout:
             f"buckets={len(self.buckets)}, nbytes={self.nbytes})")
 
   def _repr_html_(self) -> str:
-    head = html.escape(self.summary().splitlines()[0])
-    table = _html_table(self._BUCKET_HEADER, self._bucket_rows())
-    leaf_rows = self._leaf_rows()
-    shown = leaf_rows[:200]
-    more = f"<p>… {len(leaf_rows) - 200} more leaves</p>" if len(leaf_rows) > 200 else ""
-    leaves = (f"<details><summary>{len(leaf_rows)} leaves</summary>"
-              f"{_html_table(self._LEAF_HEADER, shown)}{more}</details>")
-    return f"<div class='jpack-layout'><p><b>{head}</b></p>{table}{leaves}</div>"
+    return summary_html(self)
 
   # -- serialization -------------------------------------------------------------------
 
   def to_json(self) -> str:
-    """Serialize to a JSON string (canonical: equal layouts give equal strings)."""
-    doc = {
-        "format": "jpack.Layout/1",
-        "treedef": _treedef_text(self.treedef),
-        "structure": _structure_to_json(self.treedef),
-        "align_bytes": self.align_bytes,
-        "num_shards": self.num_shards,
-        "slots": [[s.path, s.bucket, s.offset, list(s.shape), _dtype_name(s.dtype), s.size]
-                  for s in self.slots],
-        "buckets": [[b.dtype.name, b.size, list(b.slots), list(b.group)]
-                    for b in self.buckets],
-    }
-    return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+    """Serialize to a JSON string (canonical: equal layouts give equal strings).
+
+    Returns:
+      Compact JSON; `Layout.from_json` reads it back.
+
+    Examples:
+      >>> import jax, jpack
+      >>> layout = jpack.plan({"w": jax.ShapeDtypeStruct((3, 4), "float32")})
+      >>> jpack.Layout.from_json(layout.to_json()) == layout
+      True
+    """
+    return layout_to_json(self)
 
   @classmethod
   def from_json(cls, text: str, treedef: Any = None) -> "Layout":
@@ -229,27 +204,15 @@ class Layout:
 
     Returns:
       A `Layout` equal to the one that was saved.
+
+    Raises:
+      ValueError: ``text`` is not a saved layout, or ``treedef`` is missing although
+        needed, or does not match the saved structure.
     """
-    doc = json.loads(text)
-    fmt = doc.get("format") if isinstance(doc, dict) else None
-    if fmt != "jpack.Layout/1":
-      raise ValueError(f"Not a jpack layout (format={fmt!r}); expected "
-                       "text produced by Layout.to_json().")
-    if treedef is None:
-      if doc["structure"] is None:
-        raise ValueError(
-            f"The saved tree structure {doc['treedef']} uses node types JSON cannot "
-            "describe; pass treedef=jax.tree.structure(your_tree) to Layout.from_json.")
-      treedef = jax.tree.structure(_structure_from_json(doc["structure"]),
-                                   is_leaf=lambda x: x is _LEAF)
-    if _treedef_text(treedef) != doc["treedef"]:
-      raise ValueError(f"treedef {treedef} does not match the saved one {doc['treedef']}.")
-    slots = tuple(Slot(p, b, o, tuple(sh), _dtype_from_name(d), n)
-                  for p, b, o, sh, d, n in doc["slots"])
-    buckets = []
-    for name, size, members, group in doc["buckets"]:
-      buckets.append(Bucket(jnp.dtype(name), size, tuple(members), tuple(group)))
-    return cls(treedef, slots, tuple(buckets), doc["align_bytes"], doc["num_shards"])
+    fields = layout_from_json(text, treedef)
+    return cls(fields.treedef, tuple(Slot._make(s) for s in fields.slots),
+               tuple(Bucket(*b) for b in fields.buckets), fields.align_bytes,
+               fields.num_shards)
 
 
 def plan(
@@ -292,6 +255,13 @@ def plan(
   Returns:
     A hashable `Layout`.
 
+  Raises:
+    TypeError: a leaf is not an array (or has a dtype jpack cannot pack), ``group_fn``
+      is not callable or returns a label holding a memory address, or ``reverse`` is
+      not a bool. The message names the leaf's key path.
+    ValueError: an option is not a positive int, ``align_bytes`` is not a power of two,
+      or a `jax.ShapeDtypeStruct` has a negative or non-integer dimension.
+
   Examples:
     >>> import jax, jax.numpy as jnp, jpack
     >>> tree = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4), "step": jnp.int32(0)}
@@ -299,104 +269,34 @@ def plan(
     >>> [(b.dtype.name, b.size) for b in layout.buckets]
     [('float32', 16), ('int32', 4)]
   """
-  (bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
-   solo_bytes) = _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes,
-                                num_shards, solo_bytes)
+  options = _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes,
+                           num_shards, solo_bytes)
   if group_fn is not None and not callable(group_fn):
     raise TypeError(f"group_fn must be a function (path, leaf) -> label, got "
                     f"{type(group_fn).__name__}.")
   if not isinstance(reverse, (bool, np.bool_)):
     raise TypeError(f"reverse must be a bool, got {reverse!r}.")
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  n = len(path_leaves)
-  paths: list[str] = [""] * n
-  shapes: list[tuple[int, ...]] = [()] * n
-  dtypes: list[Any] = [None] * n
-  sizes: list[int] = [0] * n
-  for i, (key_path, leaf) in enumerate(path_leaves):
-    path = "".join(map(str, key_path))  # jax.tree_util.keystr, without its call overhead
-    shape, dtype = _shape_dtype(path, leaf)
-    paths[i], shapes[i], dtypes[i] = path, shape, dtype
-    sizes[i] = math.prod(shape) * _key_words(dtype)
-
-  first_cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
-  # group -> [bucket index, fill in elements, leaf count] of the open bucket.
-  open_buckets: dict[Any, list[int]] = {}
-  first_bucket: dict[Any, int] = {}
-  group_storage: dict[Any, tuple[np.dtype, int]] = {}
-  members: list[list[int]] = []
-  fills: list[int] = []
-  groups: list[tuple[str, Hashable]] = []
-  storage: list[np.dtype] = []
-  offsets = [0] * n
-  bucket_of = [0] * n
+  specs = _leaf_specs(path_leaves)
+  n = len(specs)
   order = range(n - 1, -1, -1) if reverse else range(n)
-  for i in order:
-    dtype = dtypes[i]
-    label = None
-    if group_fn is not None:
-      # Labels are kept as strings so layouts serialize exactly and hash the same in
-      # every process.
-      try:
-        raw = group_fn(paths[i], path_leaves[i][1])
-      except Exception as e:
-        if hasattr(e, "add_note"):  # Python >= 3.11
-          e.add_note(f"(raised by group_fn for the leaf at {paths[i] or '<root>'})")
-        raise
-      label = None if raw is None else str(raw)
-      if label is not None and " at 0x" in label:
-        raise TypeError(
-            f"group_fn returned {label} for the leaf at {paths[i] or '<root>'}: a label "
-            "is kept as its str(), and this one holds a memory address, which differs "
-            "between processes and runs. Return a string, number or enum instead.")
-    group = (dtype, label)
-    facts = group_storage.get(group)
-    if facts is None:
-      sdtype = _storage_dtype(dtype)
-      facts = group_storage[group] = (sdtype, _align_elements(align_bytes, sdtype.itemsize))
-    sdtype, align = facts
-    solo = solo_bytes is not None and sizes[i] * sdtype.itemsize >= solo_bytes
-    state = None if solo else open_buckets.get(group)
-    if state is not None:
-      b, fill, count = state
-      start = -(-fill // align) * align
-      cap = first_cap if b == first_bucket[group] else bucket_bytes
-      # An empty leaf takes no bytes: it never opens a bucket of its own.
-      too_big = sizes[i] and (start + sizes[i]) * sdtype.itemsize > cap
-      too_many = max_leaves is not None and count >= max_leaves
-      if too_big or too_many:
-        state = None
-    if state is None:
-      b = len(members)
-      members.append([])
-      fills.append(0)
-      groups.append(group)
-      storage.append(sdtype)
-      state = [b, 0, 0]
-      if not solo:
-        open_buckets[group] = state
-        first_bucket.setdefault(group, b)
-      start = 0
-    b = state[0]
-    offsets[i], bucket_of[i] = start, b
-    members[b].append(i)
-    state[1] = fills[b] = start + sizes[i]
-    state[2] += 1
-
-  slots = tuple(map(Slot, paths, bucket_of, offsets, shapes, dtypes, sizes))
-  buckets = []
-  for b, idx in enumerate(members):
-    quantum = _align_elements(align_bytes, storage[b].itemsize) * num_shards
-    size = -(-fills[b] // quantum) * quantum
-    idx.sort(key=offsets.__getitem__)
-    group = (_dtype_name(groups[b][0]), groups[b][1])
-    buckets.append(Bucket(storage[b], size, tuple(idx), group))
-  return Layout(treedef, slots, tuple(buckets), align_bytes, num_shards)
+  if group_fn is not None:
+    specs = _labelled(specs, [leaf for _, leaf in path_leaves], order, group_fn)
+  placements, fills = _assign(specs, order, options)
+  return _finalize(treedef, specs, placements, fills, options)
 
 
-def _check_plan_options(options: Mapping[str, Any], where: str) -> None:
-  """TypeError / ValueError now, naming ``where``, for options that `plan` would refuse
-  later (inside a traced step, where the error is harder to place)."""
+def check_plan_options(options: Mapping[str, Any], where: str) -> None:
+  """Refuse now the options that `plan` would refuse later, inside a traced step.
+
+  Args:
+    options: keyword arguments meant for `plan`.
+    where: the caller, for the message (e.g. ``"jpack.optax.sharded"``).
+
+  Raises:
+    TypeError: an option `plan` does not take, or of the wrong type.
+    ValueError: an option value `plan` refuses.
+  """
   known = [p.name for p in inspect.signature(plan).parameters.values()
            if p.kind is inspect.Parameter.KEYWORD_ONLY]
   unknown = sorted(set(options) - set(known))
@@ -406,11 +306,156 @@ def _check_plan_options(options: Mapping[str, Any], where: str) -> None:
   plan((), **options)
 
 
+# -- plan, step by step: leaf specs -> assignment -> finalize ----------------------------
+
+
+class _Options(NamedTuple):
+  """`plan`'s numeric options, checked and as Python ints (JSON needs them so)."""
+
+  bucket_bytes: int
+  first_bucket_bytes: int  # bucket_bytes when not given
+  max_leaves: int | None
+  align_bytes: int
+  num_shards: int
+  solo_bytes: int | None
+
+
+# What plan reads from one leaf: (path, shape, dtype, size, label). ``path`` is the
+# jax.tree_util.keystr of its key path; ``dtype`` a numpy or PRNG key dtype; ``size`` its
+# bucket elements (uint32 words for PRNG keys); ``label`` the str of group_fn's label
+# (leaves of one (dtype, label) group share buckets). A plain tuple, unpacked by name
+# where used: plan builds thousands, and a NamedTuple would cost a Python call each.
+_LeafSpec = tuple[str, tuple[int, ...], Any, int, str | None]
+
+
+@dataclasses.dataclass(slots=True)
+class _Fill:
+  """A bucket while `plan` fills it; `_finalize` turns it into a `Bucket`."""
+
+  index: int  # its index in Layout.buckets
+  group: tuple[Any, str | None]  # (leaf dtype, label)
+  storage: np.dtype
+  members: list[int]  # leaf indices in fill order, which is offset order
+  end: int = 0  # elements used: the end of the last member
+
+
+@dataclasses.dataclass(slots=True)
+class _GroupState:
+  """Where `plan` is filling one (dtype, label) group."""
+
+  storage: np.dtype
+  align: int  # the alignment in elements
+  open: _Fill | None = None  # takes the group's next leaf if it fits
+  first: _Fill | None = None  # its first shared bucket, capped by first_bucket_bytes
+
+
+def _leaf_specs(path_leaves: Sequence[tuple[Any, Any]]) -> list[_LeafSpec]:
+  """One unlabelled leaf spec per leaf, in flatten order; errors name the leaf's path."""
+  words: dict[Any, int] = {}  # key_words per dtype: it is slow, and trees repeat dtypes
+  specs = []
+  for key_path, leaf in path_leaves:
+    path = "".join(map(str, key_path))  # jax.tree_util.keystr, without its call overhead
+    shape, dtype = _shape_dtype(path, leaf)
+    per_element = words.get(dtype)
+    if per_element is None:
+      per_element = words[dtype] = key_words(dtype)
+    specs.append((path, shape, dtype, math.prod(shape) * per_element, None))
+  return specs
+
+
+def _labelled(specs: list[_LeafSpec], leaves: list[Any], order: range,
+              group_fn: GroupFn) -> list[_LeafSpec]:
+  """``specs`` with group_fn's labels; it is called in ``order``, the fill order, so an
+  error names the first leaf assignment would have reached."""
+  labelled = list(specs)
+  for i in order:
+    path, shape, dtype, size, _ = specs[i]
+    try:
+      raw = group_fn(path, leaves[i])
+    except Exception as e:
+      if hasattr(e, "add_note"):  # Python >= 3.11
+        e.add_note(f"(raised by group_fn for the leaf at {where(path)})")
+      raise
+    # Labels are kept as strings so layouts serialize exactly and hash the same in
+    # every process.
+    label = None if raw is None else str(raw)
+    if label is not None and " at 0x" in label:
+      raise TypeError(
+          f"group_fn returned {label} for the leaf at {where(path)}: a label is kept as "
+          "its str(), and this one holds a memory address, which differs between "
+          "processes and runs. Return a string, number or enum instead.")
+    labelled[i] = (path, shape, dtype, size, label)
+  return labelled
+
+
+def _assign(specs: list[_LeafSpec], order: range,
+            options: _Options) -> tuple[list[tuple[int, int]], list[_Fill]]:
+  """Greedy fill: each leaf, in ``order``, joins its group's open bucket if it fits
+  there, else opens a new one; a solo leaf gets a bucket no later leaf joins.
+
+  Returns:
+    ``(bucket, offset)`` per leaf, and the buckets in the order they were opened.
+  """
+  bucket_bytes, first_cap, max_leaves, align_bytes, _, solo_bytes = options
+  placements = [(0, 0)] * len(specs)
+  fills: list[_Fill] = []
+  groups: dict[tuple[Any, str | None], _GroupState] = {}
+  for i in order:
+    _, _, dtype, size, label = specs[i]
+    group = (dtype, label)
+    state = groups.get(group)
+    if state is None:
+      storage = storage_dtype(dtype)
+      state = groups[group] = _GroupState(storage,
+                                          _align_elements(align_bytes, storage.itemsize))
+    itemsize = state.storage.itemsize
+    solo = solo_bytes is not None and size * itemsize >= solo_bytes
+    fill = None if solo else state.open
+    start = 0
+    if fill is not None:
+      start = -(-fill.end // state.align) * state.align
+      cap = first_cap if fill is state.first else bucket_bytes
+      # An empty leaf takes no bytes: it never opens a bucket of its own.
+      too_big = size and (start + size) * itemsize > cap
+      too_many = max_leaves is not None and len(fill.members) >= max_leaves
+      if too_big or too_many:
+        fill, start = None, 0
+    if fill is None:
+      fill = _Fill(len(fills), group, state.storage, [])
+      fills.append(fill)
+      if not solo:
+        state.open = fill
+        if state.first is None:
+          state.first = fill
+    placements[i] = (fill.index, start)
+    fill.members.append(i)
+    fill.end = start + size
+  return placements, fills
+
+
+def _finalize(treedef: Any, specs: list[_LeafSpec], placements: list[tuple[int, int]],
+              fills: list[_Fill], options: _Options) -> Layout:
+  """The `Layout`: bucket lengths padded to a multiple of the alignment times num_shards."""
+  slots = ()
+  if specs:  # columns, then one C-level map: thousands of leaves
+    paths, shapes, dtypes, sizes, _ = zip(*specs)
+    bucket_of, offsets = zip(*placements)
+    slots = tuple(map(Slot, paths, bucket_of, offsets, shapes, dtypes, sizes))
+  buckets = []
+  for fill in fills:
+    align = _align_elements(options.align_bytes, fill.storage.itemsize)
+    quantum = align * options.num_shards
+    size = -(-fill.end // quantum) * quantum
+    group = (dtype_name(fill.group[0]), fill.group[1])
+    buckets.append(Bucket(fill.storage, size, tuple(fill.members), group))
+  return Layout(treedef, slots, tuple(buckets), options.align_bytes, options.num_shards)
+
+
 # -- helpers ---------------------------------------------------------------------------
 
 
 def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
-                   solo_bytes=None):
+                   solo_bytes) -> _Options:
   """The options as Python ints (numpy ints would not serialise to JSON), or ValueError."""
   def positive_int(name, value, allow_none=False):
     if value is None and allow_none:
@@ -419,40 +464,19 @@ def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, nu
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
     return int(value)
 
-  options = (positive_int("bucket_bytes", bucket_bytes),
-             positive_int("first_bucket_bytes", first_bucket_bytes, allow_none=True),
-             positive_int("max_leaves", max_leaves, allow_none=True),
-             positive_int("align_bytes", align_bytes),
-             positive_int("num_shards", num_shards),
-             positive_int("solo_bytes", solo_bytes, allow_none=True))
-  align_bytes = options[3]
-  if align_bytes & (align_bytes - 1):
-    raise ValueError(f"align_bytes must be a power of two, got {align_bytes}; "
+  bucket_bytes = positive_int("bucket_bytes", bucket_bytes)
+  first_bucket_bytes = positive_int("first_bucket_bytes", first_bucket_bytes,
+                                    allow_none=True)
+  options = _Options(
+      bucket_bytes, bucket_bytes if first_bucket_bytes is None else first_bucket_bytes,
+      positive_int("max_leaves", max_leaves, allow_none=True),
+      positive_int("align_bytes", align_bytes),
+      positive_int("num_shards", num_shards),
+      positive_int("solo_bytes", solo_bytes, allow_none=True))
+  if options.align_bytes & (options.align_bytes - 1):
+    raise ValueError(f"align_bytes must be a power of two, got {options.align_bytes}; "
                      "try 256 (CUDA's allocation alignment) or 64 (a cache line).")
   return options
-
-
-def _is_key_dtype(dtype: Any) -> bool:
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _storage_dtype(dtype: Any) -> np.dtype:
-  """The dtype of the bucket that stores leaves of ``dtype``."""
-  if _is_key_dtype(dtype):
-    return np.dtype(np.uint32)
-  return np.dtype(dtype)
-
-
-@functools.lru_cache(maxsize=None)  # plan calls it once per leaf
-def _key_words(dtype: Any) -> int:
-  """uint32 words per element: a PRNG key holds several, an ordinary dtype one."""
-  if _is_key_dtype(dtype):
-    return math.prod(dtype._impl.key_shape)
-  return 1
-
-
-def _key_impl_name(dtype: Any) -> str:
-  return dtype._impl.name
 
 
 def _align_elements(align_bytes: int, itemsize: int) -> int:
@@ -481,7 +505,7 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
       except TypeError:
         valid = False
       if not valid:
-        raise ValueError(f"Leaf at {path or '<root>'} is a jax.ShapeDtypeStruct of shape "
+        raise ValueError(f"Leaf at {where(path)} is a jax.ShapeDtypeStruct of shape "
                          f"{leaf.shape}: dimensions must be non-negative integers.")
       return shape, dtype
     if kind is not np.ndarray:  # jax arrays: int shapes, canonical dtypes
@@ -494,18 +518,18 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
       return (), jnp.asarray(leaf).dtype
     except OverflowError:
       raise ValueError(
-          f"Leaf at {path or '<root>'} is the Python int {leaf}, outside the range of "
+          f"Leaf at {where(path)} is the Python int {leaf}, outside the range of "
           f"{jnp.asarray(0).dtype} (64-bit types are disabled). Pass an array of an "
           "explicit dtype, or enable jax_enable_x64.") from None
   else:
     raise TypeError(
-        f"Leaf at {path or '<root>'} is a {type(leaf).__name__}, not an array: jpack packs "
+        f"Leaf at {where(path)} is a {type(leaf).__name__}, not an array: jpack packs "
         "jax/numpy arrays, Python scalars and jax.ShapeDtypeStruct. Convert it, or mark "
         "it static (e.g. keep it out of the tree or use None).")
   dtype = _checked_dtype(leaf.dtype, path)
   if isinstance(leaf, (np.ndarray, np.generic)):  # np.memmap too: any subclass
     if isinstance(leaf, np.ma.MaskedArray):
-      raise TypeError(f"Leaf at {path or '<root>'} is a numpy masked array: JAX would drop "
+      raise TypeError(f"Leaf at {where(path)} is a numpy masked array: JAX would drop "
                       "its mask. Pass leaf.filled(value) or leaf.data.")
     _check_canonical(dtype, path, "numpy scalar of dtype" if isinstance(leaf, np.generic)
                      else "numpy array of dtype")
@@ -514,10 +538,10 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
 
 def _check_canonical(dtype: Any, path: str, what: str) -> None:
   """TypeError if JAX would silently narrow ``dtype`` (64-bit types with x64 off)."""
-  canonical = dtype if _is_key_dtype(dtype) else jax.dtypes.canonicalize_dtype(dtype)
+  canonical = dtype if is_key_dtype(dtype) else jax.dtypes.canonicalize_dtype(dtype)
   if dtype != canonical:
     raise TypeError(
-        f"Leaf at {path or '<root>'} is a {what} {dtype}, which JAX would silently turn "
+        f"Leaf at {where(path)} is a {what} {dtype}, which JAX would silently turn "
         f"into {canonical} (64-bit types are disabled). Cast it explicitly, or enable "
         "jax_enable_x64.")
 
@@ -532,7 +556,7 @@ def _checked_dtype(dtype: Any, path: str) -> Any:
   except (KeyError, TypeError):
     pass
   checked = dtype
-  if not _is_key_dtype(dtype):
+  if not is_key_dtype(dtype):
     checked = np.dtype(dtype)
     # ml_dtypes' bfloat16, float8_*, int4... have kind "V" but are numbers; float0 and
     # structured or raw-bytes dtypes are "V" too and are not.
@@ -540,12 +564,12 @@ def _checked_dtype(dtype: Any, path: str) -> Any:
       hint = (" (the gradient of an integer or bool leaf under allow_int=True: drop those "
               "leaves, or differentiate only the float ones)"
               if checked == jax.dtypes.float0 else "")
-      raise TypeError(f"Leaf at {path or '<root>'} has dtype {checked}{hint}, which jpack "
+      raise TypeError(f"Leaf at {where(path)} has dtype {checked}{hint}, which jpack "
                       "cannot pack; expected a bool, integer, float or complex dtype.")
     problem = _unsupported(checked)
     if problem:
       shown = checked.name if checked.isnative else checked.str
-      raise TypeError(f"Leaf at {path or '<root>'} has dtype {shown}: {problem}")
+      raise TypeError(f"Leaf at {where(path)} has dtype {shown}: {problem}")
   try:
     _CHECKED_DTYPES[dtype] = checked
   except TypeError:  # pragma: no cover - an unhashable dtype-like
@@ -564,105 +588,3 @@ def _unsupported(dtype: np.dtype) -> str:
     return ("2-bit integers abort XLA:CPU when concatenated (a bucket is a concatenate). "
             "Store them as int8 / uint8 (or int4 / uint4) instead.")
   return ""
-
-
-def _dtype_name(dtype: Any) -> str:
-  if _is_key_dtype(dtype):
-    return f"key<{_key_impl_name(dtype)}>"
-  return np.dtype(dtype).name
-
-
-def _dtype_from_name(name: str) -> Any:
-  if name.startswith("key<"):
-    return jax.random.key(0, impl=name[4:-1]).dtype
-  return jnp.dtype(name)
-
-
-def _group_name(group: tuple[str, Hashable]) -> str:
-  name, label = group
-  return name if label is None else f"{name} [{label}]"
-
-
-_LEAF = object()
-
-
-def _treedef_text(treedef: Any) -> str:
-  """``str(treedef)`` without memory addresses, which differ between processes: static
-  fields of custom nodes (an equinox module's activation function, say) print as
-  ``<function relu at 0x7f...>``."""
-  text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(treedef))
-  # Sets print in hash order, which for strings changes with PYTHONHASHSEED: sort the
-  # elements of flat set reprs (no nested braces or dict colons).
-  return re.sub(r"(frozenset\(|(?<=[\s(\[,=]))\{([^{}:]*)\}",
-                lambda m: m.group(1) + "{" + ", ".join(sorted(m.group(2).split(", "))) + "}",
-                text)
-
-
-def _structure_to_json(treedef: Any) -> Any:
-  """The tree structure as nested JSON, or None if it holds other node types."""
-  try:
-    skeleton = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
-  except Exception:  # pragma: no cover - unflatten of exotic nodes
-    return None
-
-  def encode(node):
-    if node is None:
-      return {"none": None}
-    if type(node) is dict:
-      # Only keys JSON gives back unchanged; a tuple key would come back a list.
-      if not all(k is None or type(k) in (str, int, float, bool) for k in node):
-        raise _Unencodable
-      return {"dict": [[k, encode(v)] for k, v in node.items()]}
-    if type(node) is list:
-      return {"list": [encode(v) for v in node]}
-    if type(node) is tuple:
-      return {"tuple": [encode(v) for v in node]}
-    if type(node) is int and node == 0:
-      return "*"
-    raise _Unencodable
-
-  try:
-    return encode(skeleton)
-  except _Unencodable:
-    return None
-
-
-class _Unencodable(Exception):
-  pass
-
-
-def _structure_from_json(doc: Any) -> Any:
-  if doc == "*":
-    return _LEAF
-  (kind, value), = doc.items()
-  if kind == "none":
-    return None
-  if kind == "dict":
-    return {k: _structure_from_json(v) for k, v in value}
-  if kind == "list":
-    return [_structure_from_json(v) for v in value]
-  return tuple(_structure_from_json(v) for v in value)
-
-
-def _human(nbytes: int) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if nbytes < 1024 or unit == "GiB":
-      return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-    nbytes /= 1024
-  return str(nbytes)  # unreachable
-
-
-def _text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-  widths = [max(len(h), *(len(r[c]) for r in rows)) if rows else len(h)
-            for c, h in enumerate(header)]
-  line = lambda cells: "  ".join(c.rjust(w) if c[:1].isdigit() else c.ljust(w)
-                                 for c, w in zip(cells, widths)).rstrip()
-  return "\n".join([line(header), line(tuple("-" * w for w in widths))] +
-                   [line(r) for r in rows])
-
-
-def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-  th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-  body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
-                 for r in rows)
-  return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"

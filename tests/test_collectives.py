@@ -1,5 +1,8 @@
 """Collectives on buckets vs per-leaf jax.lax references, under shard_map and pmap."""
 
+import contextlib
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +14,28 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpack
+import jpack._cpu
+from benchmarks._hlo import count_collectives
 from conftest import assert_sliced_at_unfoldable_offsets, bits
-from jpack._hlo import count_collectives
 
 N = 8
 FLOATS = [np.float32, jnp.bfloat16, np.float16]
 INTS = [np.int32, np.int8, np.uint32, np.int16]
+
+
+def on_path(path):
+  """Run on the XLA:CPU path ("cpu", what CPU programs lower) or on the plain path
+  ("plain", what GPU and TPU programs lower), both executed here on CPU devices."""
+  if path == "cpu":
+    return contextlib.nullcontext()
+  return mock.patch.object(jpack._cpu, "choose",
+                           lambda on_cpu, elsewhere, *args: elsewhere(*args))
+
+
+@pytest.fixture(params=["cpu", "plain"])
+def path(request):
+  with on_path(request.param):
+    yield request.param
 
 
 def mesh(n=N):
@@ -68,31 +87,35 @@ specs_strategy = st.lists(
 
 
 @settings(max_examples=8, deadline=None)
-@given(specs=specs_strategy, seed=st.integers(0, 1000), method=st.sampled_from(jpack._collectives.METHODS),
-       use_pmap=st.booleans())
-def test_psum_equals_per_leaf_psum(specs, seed, method, use_pmap):
+@given(specs=specs_strategy, seed=st.integers(0, 1000),
+       method=st.sampled_from(["auto", "psum", "scatter_gather"]), use_pmap=st.booleans(),
+       path=st.sampled_from(["cpu", "plain"]))
+def test_psum_equals_per_leaf_psum(specs, seed, method, use_pmap, path):
   tree = per_device_tree(np.random.default_rng(seed), specs)
 
   def fn(t):
     return (jpack.psum(t, "batch", method=method, align_bytes=16),
             jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t))
 
-  got, want = (run_pmap if use_pmap else run_shard_map)(fn, tree)
+  with on_path(path):
+    got, want = (run_pmap if use_pmap else run_shard_map)(fn, tree)
   assert_close(got, want)
 
 
 @settings(max_examples=8, deadline=None)
 @given(specs=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=2).map(tuple),
                                 st.sampled_from(FLOATS)), min_size=1, max_size=8),
-       seed=st.integers(0, 1000), use_pmap=st.booleans(), bucket_bytes=st.integers(16, 256))
-def test_pmean_equals_per_leaf_pmean(specs, seed, use_pmap, bucket_bytes):
+       seed=st.integers(0, 1000), use_pmap=st.booleans(), bucket_bytes=st.integers(16, 256),
+       path=st.sampled_from(["cpu", "plain"]))
+def test_pmean_equals_per_leaf_pmean(specs, seed, use_pmap, bucket_bytes, path):
   tree = per_device_tree(np.random.default_rng(seed), specs)
 
   def fn(t):
     return (jpack.pmean(t, "batch", bucket_bytes=bucket_bytes),
             jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), t))
 
-  got, want = (run_pmap if use_pmap else run_shard_map)(fn, tree)
+  with on_path(path):
+    got, want = (run_pmap if use_pmap else run_shard_map)(fn, tree)
   assert_close(got, want)
 
 
@@ -109,7 +132,7 @@ def test_packed_input_stays_packed_and_is_reduced_per_bucket():
   assert_close(got, want)
 
 
-def test_comm_dtype_f32_accumulation_for_bf16_and_bf16_wire_for_f32():
+def test_comm_dtype_f32_accumulation_for_bf16_and_bf16_wire_for_f32(path):
   rng = np.random.default_rng(1)
   tree = {"bf": rng.normal(size=(N, 64)).astype(jnp.bfloat16),
           "f": rng.normal(size=(N, 64)).astype(np.float32)}
@@ -248,7 +271,7 @@ def test_broadcast_prng_keys_under_pmap():
   np.testing.assert_array_equal(jax.random.key_data(got["k"][6]), jax.random.key_data(keys[3]))
 
 
-def test_reduce_scatter_then_all_gather_equals_psum():
+def test_reduce_scatter_then_all_gather_equals_psum(path):
   tree = per_device_tree(np.random.default_rng(3), [((7, 3), np.float32), ((5,), np.int32)])
 
   def fn(t):
@@ -476,7 +499,7 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("method", ["auto", "psum", "scatter_gather"])
-def test_collectives_under_vmap_with_an_axis_name_equal_numpy(method):
+def test_collectives_under_vmap_with_an_axis_name_equal_numpy(method, path):
   # vmap(axis_name=) has no varying/invariant types: the gathers fall back to all_gather.
   rng = np.random.default_rng(3)
   tree = per_device_tree(rng, [((3, 5), np.float32), ((7,), jnp.bfloat16), ((2,), np.int32)])
@@ -514,7 +537,7 @@ def test_collectives_under_vmap_with_an_axis_name_equal_numpy(method):
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("method", ["auto", "psum", "scatter_gather"])
-def test_fp8_buckets_reduce_exactly_like_numpy(dtype, method):
+def test_fp8_buckets_reduce_exactly_like_numpy(dtype, method, path):
   # JAX refuses to promote fp8 implicitly; the accumulator is the wider float.
   # Values in {0, 1}: every sum and mean over 8 devices is exact in these formats.
   rng = np.random.default_rng(11)
@@ -535,7 +558,7 @@ def test_fp8_buckets_reduce_exactly_like_numpy(dtype, method):
 
 @pytest.mark.parametrize("dtype,wire", [(np.float32, None), (np.float32, jnp.bfloat16),
                                         (jnp.bfloat16, None), (jnp.float16, None)])
-def test_derivatives_through_collectives_equal_lax(dtype, wire):
+def test_derivatives_through_collectives_equal_lax(dtype, wire, path):
   # 16-bit payloads travel as integer bits, through which no derivative flows: the
   # gradients came out zero. The tangent now takes the same reduction in floats.
   m = mesh()
@@ -638,12 +661,12 @@ def _many_leaves(rng, n_small=300):
 
 @pytest.mark.parametrize("use_pmap,join", [(False, True), (True, True), (False, False)])
 def test_trees_of_many_leaves_in_several_buckets_equal_per_leaf_references(
-    use_pmap, join, monkeypatch):
+    use_pmap, join, monkeypatch, path):
   # A tree returned by a collective is sliced at offsets XLA cannot fold (one kernel per
   # leaf size): values must not depend on it. Small buckets: several per dtype, read
   # from one joined array per dtype (the default for small leaves) or one by one.
   if not join:
-    monkeypatch.setattr(jpack._pack, "_JOIN_MAX_BYTES_PER_LEAF", 0)
+    monkeypatch.setattr(jpack._cpu, "JOIN_MAX_BYTES_PER_LEAF", 0)
   tree = _many_leaves(np.random.default_rng(21))
   floats = {k: v for k, v in tree.items() if not jnp.issubdtype(v.dtype, jnp.integer)}
   idx = lambda: jax.lax.axis_index("batch")
@@ -686,17 +709,17 @@ def test_trees_out_of_collectives_are_sliced_at_offsets_xla_cannot_fold(dtypes):
   assert_sliced_at_unfoldable_offsets(text, 200, 6)
 
 
-def test_trees_out_of_collectives_off_cpu_are_sliced_statically(monkeypatch):
+def test_trees_out_of_collectives_on_the_plain_path_are_sliced_statically():
   # The shared kernels hinge on lax.cond, whose predicate XLA:GPU reads back to the host
   # (outside command buffers): off CPU a collective's tree comes out of static slices.
-  import jpack._collectives
-  monkeypatch.setattr(jpack._collectives, "_targets_cpu", lambda: False)
   specs = [((6,), np.float32)] * 100 + [((3,), np.int32)] * 100
   tree = per_device_tree(np.random.default_rng(5), specs)
   m = mesh()
   body = lambda t: jpack.psum(jax.tree.map(lambda x: x[0], t), "batch")
-  compiled = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("batch"), out_specs=P())).lower(
-      jax.device_put(tree, NamedSharding(m, P("batch")))).compile()
+  with on_path("plain"):
+    compiled = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("batch"),
+                                     out_specs=P())).lower(
+        jax.device_put(tree, NamedSharding(m, P("batch")))).compile()
   assert "conditional(" not in compiled.as_text()
   got = compiled(jax.device_put(tree, NamedSharding(m, P("batch"))))
   for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(tree)):
@@ -704,7 +727,7 @@ def test_trees_out_of_collectives_off_cpu_are_sliced_statically(monkeypatch):
     np.testing.assert_allclose(g, x.sum(0, dtype=x.dtype), rtol=1e-5, atol=1e-5)
 
 
-def test_grad_through_a_collective_of_bf16_leaves_equals_lax():
+def test_grad_through_a_collective_of_bf16_leaves_equals_lax(path):
   # Regression: the shared-kernel unpack took its tangents from the bit-exact split,
   # whose bitcasts JAX cannot transpose (KeyError: bitcast_convert_type under jax.grad).
   m = mesh()
@@ -727,7 +750,7 @@ def test_grad_through_a_collective_of_bf16_leaves_equals_lax():
 
 
 @pytest.mark.parametrize("op", ["pmean", "psum", "broadcast"])
-def test_derivatives_through_a_many_leaf_tree_equal_lax(op):
+def test_derivatives_through_a_many_leaf_tree_equal_lax(op, path):
   # Forward and reverse mode through the shared-kernel unpack (several leaves, an int
   # leaf with a float0 tangent), against the same per-leaf lax program.
   m = mesh()

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jpack
-from conftest import workload_shapes
+from conftest import WORKLOADS, workload_shapes
 
 F32 = jnp.float32
 
@@ -46,7 +46,7 @@ def check_invariants(layout, tree, *, bucket_bytes, max_leaves, first_bucket_byt
       assert slot.offset % align == 0
       assert slot.offset >= end  # no overlap, offset order
       end = slot.offset + slot.size
-    assert end <= bucket.size
+    assert end <= bucket.size < end + align * num_shards  # padded no more than needed
     if max_leaves is not None:
       assert len(members) <= max_leaves
   assert seen == set(range(len(layout.slots)))
@@ -279,7 +279,7 @@ def test_non_numeric_void_dtypes_are_refused_with_the_path(dtype):
 
 def test_fingerprint_is_stable_across_processes():
   code = ("import jax, json, jpack;"
-          "d=json.load(open(jpack.__path__[0]+'/workloads/bert_base.json'));"
+          f"d=json.load(open({str(WORKLOADS / 'bert_base.json')!r}));"
           "t={l['path']: jax.ShapeDtypeStruct(tuple(l['shape']), l['dtype']) for l in d['leaves']};"
           "print(jpack.plan(t).fingerprint)")
   out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -324,6 +324,26 @@ def test_summary_and_html():
     assert word in text
   assert "<table>" in layout._repr_html_() and html.escape("['b']") in layout._repr_html_()
   assert str(layout) == layout.summary()
+
+
+def test_html_lists_at_most_200_leaves():
+  layout = jpack.plan({f"p{i:03d}": sds(1) for i in range(205)})
+  page = layout._repr_html_()  # what a notebook shows
+  assert page.count("<tr>") == 1 + len(layout.buckets) + 1 + 200
+  assert "… 5 more leaves" in page and "205 leaves" in page
+
+
+def test_to_json_format_is_stable():
+  # Saved layouts and fingerprints compared across processes depend on this exact text.
+  tree = {"b": sds(2, dtype=jnp.int8), "w": [sds(3), None]}
+  layout = jpack.plan(tree, align_bytes=8, group_fn=lambda p, x: "w" in p)
+  assert layout.to_json() == (
+      '{"align_bytes":8,"buckets":[["float32",4,[1],["float32","True"]],'
+      '["int8",8,[0],["int8","False"]]],"format":"jpack.Layout/1","num_shards":1,'
+      '"slots":[["[\'b\']",1,0,[2],"int8",2],["[\'w\'][0]",0,0,[3],"float32",3]],'
+      '"structure":{"dict":[["b","*"],["w",{"list":["*",{"none":null}]}]]},'
+      '"treedef":"PyTreeDef({\'b\': *, \'w\': [*, None]})"}')
+  assert layout.fingerprint == "8f3311cee09a35e7"
 
 
 def test_shared_workloads_obey_every_rule(workload):

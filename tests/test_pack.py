@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import contextlib
 
 import jpack
-import jpack._pack
+import jpack._cpu
 from conftest import assert_sliced_at_unfoldable_offsets, bits, workload_shapes
 
 KEY = "key"  # typed PRNG key arrays (jax.random.key): random key data
@@ -64,12 +64,12 @@ def numpy_reference_buckets(tree, layout):
 def bucket_fill(how):
   """Force how pack fills buckets: "gather" (normally for buckets of many leaves) or
   "concat"; both must give the same bits."""
-  saved = jpack._pack.GATHER_MIN_LEAVES
-  jpack._pack.GATHER_MIN_LEAVES = 1 if how == "gather" else 10**9
+  saved = jpack._cpu.GATHER_MIN_LEAVES
+  jpack._cpu.GATHER_MIN_LEAVES = 1 if how == "gather" else 10**9
   try:
     yield
   finally:
-    jpack._pack.GATHER_MIN_LEAVES = saved
+    jpack._cpu.GATHER_MIN_LEAVES = saved
 
 
 @given(tree=trees(), align=st.sampled_from([1, 4, 64, 256]),
@@ -92,20 +92,6 @@ def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket
       assert bits(a) == bits(b)
 
 
-@given(tree=trees(), align=st.sampled_from([1, 4, 64, 256]),
-       bucket_bytes=st.integers(1, 400), reverse=st.booleans())
-def test_unpack_at_runtime_offsets_is_bit_identical(tree, align, bucket_bytes, reverse):
-  # The data-parallel step unpacks its reduced gradients at offsets passed in as data
-  # (int32 scalars), so that same-shape slices share a compiled kernel.
-  layout = jpack.plan(tree, align_bytes=align, bucket_bytes=bucket_bytes, reverse=reverse)
-  packed = jpack.pack(tree, layout)
-  offsets = tuple(jnp.int32(slot.offset) for slot in layout.slots)
-  back = jax.jit(jpack._pack._unpack_at)(packed, offsets)
-  assert jax.tree.structure(back) == jax.tree.structure(tree)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
-    assert a.dtype == b.dtype and bits(a) == bits(b)
-
-
 @pytest.mark.parametrize("fill", ["concat", "gather"])
 def test_round_trip_under_jit_with_every_edge_case(fill):
   tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 4),
@@ -120,10 +106,6 @@ def test_round_trip_under_jit_with_every_edge_case(fill):
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
     assert a.dtype == b.dtype and bits(a) == bits(b)
   assert jax.random.uniform(back["key"]) == jax.random.uniform(tree["key"])
-  offsets = tuple(jnp.int32(slot.offset) for slot in layout.slots)
-  at = jax.jit(jpack._pack._unpack_at)(jpack.pack(tree, layout), offsets)
-  for a, b in zip(jax.tree.leaves(at), jax.tree.leaves(tree)):
-    assert a.dtype == b.dtype and bits(a) == bits(b)
 
 
 @pytest.mark.parametrize("num_leaves", [1, 3, 160])
@@ -142,9 +124,8 @@ def test_every_bit_pattern_of_narrow_floats_survives_jit(dtype, fill, num_leaves
     packed = jax.jit(lambda t: jpack.pack(t, layout))(tree)
   for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
     assert bits(got) == bits(want)
-  offsets = tuple(jnp.int32(slot.offset) for slot in layout.slots)
   for back in (jax.jit(jpack.unpack)(packed),
-               jax.jit(jpack._pack._unpack_at)(packed, offsets)):
+               jax.jit(lambda p: jpack.unpack(p, share_kernels=True))(packed)):
     np.testing.assert_array_equal(np.concatenate([np.asarray(x).view(patterns.dtype)
                                                   for x in back]), patterns)
 
@@ -211,18 +192,11 @@ def _loss(tree):
   return sum(jnp.sum(jnp.sin(x) * (i + 1)) for i, x in enumerate(jax.tree.leaves(tree)))
 
 
-def _unpack_at_layout_offsets(packed):
-  """The training step's unpack: offsets passed in as data (int32 scalars)."""
-  offsets = tuple(jnp.int32(s.offset) for s in packed.layout.slots)
-  return jpack._pack._unpack_at(packed, offsets)
-
-
 def _unpack_sharing_kernels(packed):
   return jpack.unpack(packed, share_kernels=True)
 
 
-@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_at_layout_offsets,
-                                    _unpack_sharing_kernels])
+@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_sharing_kernels])
 def test_grad_through_unpack_equals_per_leaf_grad(unpack):
   rng = np.random.default_rng(0)
   tree = {"a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
@@ -275,17 +249,22 @@ def _check_grad_of_pack_and_jvp():
   np.testing.assert_array_equal(t_back["y"], np.ones((2, 3)))
 
 
-@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_at_layout_offsets,
-                                    _unpack_sharing_kernels])
+@pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_sharing_kernels])
 def test_backward_of_unpack_is_one_concatenate_not_thousands_of_pads(unpack):
   tree = {f"p{i}": jax.ShapeDtypeStruct((i % 7 + 1,), jnp.float32) for i in range(2000)}
   layout = jpack.plan(tree, max_leaves=None)
   packed_shape = jpack.Packed(layout.bucket_shapes(), layout)
-  jaxpr = jax.make_jaxpr(jax.grad(lambda p: _loss(unpack(p))))(packed_shape)
-  prims = [e.primitive.name for e in jaxpr.eqns]
-  # One pack per bucket: a concatenate, or the gather fill (a custom_jvp call).
-  assert prims.count("concatenate") + prims.count("custom_jvp_call") == len(layout.buckets)
-  assert "pad" not in prims and "dynamic_update_slice" not in prims
+  grad = jax.jit(jax.grad(lambda p: _loss(unpack(p))))
+  # The programs lowered for CPU and for GPU (only the chosen path is lowered): the
+  # cotangent of each bucket is one concatenate (lowered as a tree of concatenates of at
+  # most 16 operands, whose root makes the whole bucket).
+  size = layout.buckets[0].size
+  for text in (grad.lower(packed_shape).as_text(),
+               jax.export.export(grad, platforms=("cuda",))(packed_shape).mlir_module()):
+    roots = [line for line in text.splitlines()
+             if "stablehlo.concatenate" in line and f"-> tensor<{size}xf32>" in line]
+    assert len(roots) == 1
+    assert "stablehlo.pad" not in text and "dynamic_update_slice" not in text
 
 
 @pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_sharing_kernels])
@@ -389,11 +368,11 @@ def test_unpack_checks_bucket_shapes_and_dtypes():
     jpack.unpack(jpack.Packed(packed.buckets * 2, packed.layout))
 
 
-def _record_calls(monkeypatch, name):
+def _record_host_unpacks(monkeypatch):
   calls = []
-  original = getattr(jpack._pack, name)
-  monkeypatch.setattr(jpack._pack, name,
-                      lambda packed: calls.append(packed.layout) or original(packed))
+  original = jpack._cpu.unpack_on_host
+  monkeypatch.setattr(jpack._cpu, "unpack_on_host",
+                      lambda layout, buckets: calls.append(layout) or original(layout, buckets))
   return calls
 
 
@@ -415,8 +394,7 @@ def _assert_bit_identical(got, want):
 def test_unpack_outside_jit_reads_cpu_buckets_without_compiling(monkeypatch, placement):
   # Outside jit an unpack would be compile-bound (a kernel per returned slice on
   # XLA:CPU), so whole CPU buckets are read in place instead; under jit it is traced.
-  on_host = _record_calls(monkeypatch, "_unpack_on_host")
-  compiled = _record_calls(monkeypatch, "_unpack_compiled_for_cpu")
+  on_host = _record_host_unpacks(monkeypatch)
   packed = jpack.pack(EDGE_CASES)
   if placement == "replicated":
     mesh = jax.make_mesh((8,), ("x",))
@@ -428,7 +406,7 @@ def test_unpack_outside_jit_reads_cpu_buckets_without_compiling(monkeypatch, pla
     assert leaf.sharding.is_equivalent_to(packed.buckets[0].sharding, leaf.ndim)
     assert leaf.committed == packed.buckets[0].committed == (placement == "replicated")
   _assert_bit_identical(jax.jit(jpack.unpack)(packed), EDGE_CASES)
-  assert on_host == [packed.layout] and compiled == []  # the eager call only
+  assert on_host == [packed.layout]  # the eager call only
   # The leaves may view the buckets' memory: donating the buckets must not change them.
   changed = jax.jit(lambda b: jax.tree.map(lambda x: ~x if x.dtype == bool else x + 1, b),
                     donate_argnums=0)(packed)
@@ -436,11 +414,10 @@ def test_unpack_outside_jit_reads_cpu_buckets_without_compiling(monkeypatch, pla
   _assert_bit_identical(back, EDGE_CASES)
 
 
-def test_unpack_outside_jit_compiles_sharded_buckets_with_cpu_fast_options(monkeypatch):
+def test_unpack_outside_jit_compiles_sharded_buckets(monkeypatch):
   # Buckets sharded over an Explicit mesh axis (jax.make_mesh's default) are gathered
   # first: leaves do not start at shard boundaries, and JAX refuses such slices.
-  on_host = _record_calls(monkeypatch, "_unpack_on_host")
-  compiled = _record_calls(monkeypatch, "_unpack_compiled_for_cpu")
+  on_host = _record_host_unpacks(monkeypatch)
   tree = {"a": np.arange(5, dtype=np.float32), "b": np.ones((2, 3), np.int8),
           "c": np.asarray([1.5, -0.0, np.nan], jnp.bfloat16),
           "e": np.zeros((2, 0), np.float32)}  # sliced from the gathered bucket too
@@ -448,7 +425,7 @@ def test_unpack_outside_jit_compiles_sharded_buckets_with_cpu_fast_options(monke
   mesh = jax.make_mesh((8,), ("x",))
   packed = jax.device_put(jpack.pack(tree, layout), NamedSharding(mesh, P("x")))
   _assert_bit_identical(jpack.unpack(packed), tree)
-  assert compiled == [layout] and on_host == []
+  assert on_host == []
   _assert_bit_identical(jax.jit(jpack.unpack)(packed), tree)
 
 

@@ -19,7 +19,7 @@ from jax import lax
 
 from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather,
                                 reduce_scatter, shard)
-from jpack._layout import Layout, _check_plan_options, plan
+from jpack._layout import Layout, check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
                                _labelled, _LayoutState, _pack_like, _refuse_inner,
@@ -87,7 +87,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
   """
   _check_inner(inner, labels)
-  _check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
+  check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
   _refuse_inner(inner, "inside jpack.optax.sharded", slices=True)
   _refuse_reduce_in(inner, "inside jpack.optax.sharded")
 

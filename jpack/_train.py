@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -10,33 +9,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpack._collectives import (all_gather, assert_same_layout, broadcast, pmean,
                                 reduce_scatter, shard, vary)
-from jpack._layout import Layout, _dtype_name, plan
-from jpack._pack import Packed, _flatten_like, _unpack_at, pack, unpack
+from jpack._internal import dtype_name
+from jpack._layout import Layout, plan
+from jpack import _cpu as cpu
+from jpack._pack import Packed, flatten_like, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
 from jpack._transforms import (Labels, _after, _check_inner, _firsts, _functions_in,
                                _group_fn_for, _multi_transform, _refuse_inner,
                                _refuse_masked_state, _refuse_reduce_in, _with_extra_args,
                                flat)
 
-# "per_leaf" and "ravel" are the baselines jpack is measured against.
-MODES = ("allreduce", "packed", "sharded", "per_leaf", "ravel")
-
-# TrainState.offsets are int32 (what dynamic_slice indexes with everywhere); a layout
-# with a bucket this long falls back to static slices.
-_INT32_OFFSETS_BELOW = 2**31
-
-# XLA:CPU's in-process collectives deadlock when too many executions are queued: on
-# jax 0.10.2 a loop of ~40 un-synchronised steps with a psum aborted ("Expected 8
-# threads to join the rendezvous") on 2, 4 and 8 CPU devices, while blocking on the
-# step 20 back never did. `step` waits for the step this many back; with several steps
-# still queued, the devices never idle for it.
-_CPU_MAX_IN_FLIGHT = 4
+MODES = ("allreduce", "packed", "sharded")
 
 
 class TrainState(NamedTuple):
@@ -47,20 +35,10 @@ class TrainState(NamedTuple):
       modes.
     opt_state: the optimizer state (its slices, split over the axis, in "sharded" mode).
     step: the number of steps taken.
-    offsets: with ``data_parallel(..., slice_offsets="data")``, each leaf's offset in
-      its bucket, as int32 scalars (otherwise empty). The step slices the packed
-      parameters ("packed", "sharded") or the reduced gradients ("allreduce") at these
-      offsets; as arguments of the compiled step rather than constants, they let XLA
-      compile one kernel per slice shape instead of one per slice (the allreduce step
-      of MLP 40x256 compiled in 5.9 s instead of 10.1 s). Keep them when restoring a
-      checkpoint (``fresh_state._replace(params=..., opt_state=..., step=...)``; in
-      the "packed" and "sharded" modes ``params`` is a `jpack.Packed`:
-      ``jpack.pack(tree, dp.layout)``, and a tree there is refused by ``step``).
   """
   params: Any
   opt_state: Any
   step: jax.Array
-  offsets: tuple = ()
 
 
 class DataParallel(NamedTuple):
@@ -76,7 +54,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                   params_like: Any, mesh: Mesh | None = None, *, axis_name: str = "batch",
                   mode: str = "packed", labels: Labels = None, comm_dtype: Any = None,
                   root: int = 0, use_pmap: bool = False, has_aux: bool = False,
-                  slice_offsets: str = "static", **plan_options: Any) -> DataParallel:
+                  **plan_options: Any) -> DataParallel:
   """Build a jit-compiled data-parallel training step.
 
   The batch is split over ``axis_name`` (leading dimension), gradients are averaged
@@ -107,16 +85,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       ``"allreduce"`` params stay a tree; `jpack.pmean` packs the gradients, reduces
       them bucket by bucket and unpacks them for the optimizer.
       ``"sharded"`` ZeRO-1 (`jpack.optax.sharded`) on packed params.
-      ``"per_leaf"`` / ``"ravel"`` baselines: per-leaf ``lax.pmean`` /
-      ``ravel_pytree`` + one ``pmean``.
     labels: per-leaf labels (a tree like the params or a prefix of it, or
       ``params -> tree``) choosing
       each leaf's optimizer from the dict ``optimizer``, as in
       `optax.multi_transform`: no weight decay on biases and norms, frozen leaves
       (``optax.set_to_zero()``). Each label gets its own buckets, so this works in the
       packed and ZeRO-1 modes too, where an ``optax.masked`` mask would see buckets.
-    comm_dtype: wire dtype of the gradient collectives in the jpack modes (refused with
-      ``"per_leaf"`` and ``"ravel"``, which reduce in the gradients' own dtype).
+    comm_dtype: wire dtype of the gradient collectives (see `jpack.psum`).
     root: the device whose initial parameters everyone gets.
     use_pmap: build the step with `jax.pmap` instead of `jax.shard_map` (the state then
       carries a leading device axis; ``step`` still takes the global batch and adds
@@ -125,15 +100,6 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       ``aux`` (a tree of arrays or Python scalars, e.g. accuracy) is averaged over the
       devices like the loss and returned as ``metrics["aux"]``; integers and bools are
       averaged as float32 (a mean taken in uint8 would wrap), PRNG keys are refused.
-    slice_offsets: how the step slices leaves out of buckets (the reduced gradients in
-      ``"allreduce"`` mode, the packed params in ``"packed"`` and ``"sharded"``).
-      ``"static"`` (default): offsets are constants of the compiled step; its slices
-      run fastest, but XLA:CPU compiles a kernel for every slice. ``"data"``: offsets
-      are int32 arguments of the step (`TrainState.offsets`), so slices of equal shape
-      share one kernel; the step compiles faster and runs a few percent slower (MLP
-      40x256, interleaved runs: steps 3-5 % slower; compile allreduce 5.9 s instead of
-      10.1 s, packed 1.8 s instead of 3.0 s, per-leaf 4.7 s). Choose ``"data"`` for
-      models with thousands of leaves or when you recompile often.
     **plan_options: options for `jpack.plan`.
 
   Returns:
@@ -144,8 +110,6 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-  if slice_offsets not in ("static", "data"):
-    raise ValueError(f"slice_offsets must be 'static' or 'data', got {slice_offsets!r}.")
   if mesh is None:
     mesh = jax.make_mesh((len(jax.devices()),), (axis_name,),
                          axis_types=(jax.sharding.AxisType.Explicit,))
@@ -166,10 +130,6 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                   "mode='allreduce' for it)")
   if mode != "sharded":
     _refuse_axis_norm(optimizer, mode)
-  if comm_dtype is not None and mode in ("per_leaf", "ravel"):
-    raise ValueError(f"comm_dtype={comm_dtype!r} applies to jpack's modes (packed, "
-                     f"allreduce, sharded); mode={mode!r} is a baseline that reduces in "
-                     "the gradients' own dtype. Drop comm_dtype, or pick a jpack mode.")
   if "group_fn" in plan_options:
     raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
                     "label itself (pass labels= with a dict of optimizers, or a plain "
@@ -197,15 +157,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   # and polyak_sgd need; transformations that take no extra arguments drop it.
   tx = _with_extra_args(tx)
 
-  def reduce_grads(grads, starts):
+  def reduce_grads(grads):
     """The mean gradients and their global norm."""
-    if mode == "per_leaf":
-      grads = jax.tree.map(lambda g: lax.pmean(g, axis_name), grads)
-      return grads, optax.tree.norm(grads)
-    if mode == "ravel":
-      flat, unravel = ravel_pytree(grads)
-      flat = lax.pmean(flat, axis_name)
-      return unravel(flat), optax.tree.norm(flat)
     packed_in = isinstance(grads, Packed)
     reduced = pmean(grads if packed_in else pack(grads, layout), axis_name,
                     comm_dtype=comm_dtype)
@@ -214,22 +167,18 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     norm = jnp.sqrt(_sum_of_squares(reduced.buckets))
     if packed_in:
       return reduced, norm
-    return (unpack(reduced) if starts is None else _unpack_at(reduced, starts)), norm
+    return unpack(reduced), norm
 
   def local_init(params):
     params = broadcast(params, axis_name, root=root, layout=layout)
     if packed_params:
       params = pack(params, layout)
-    offsets = ()
-    if (slice_offsets == "data" and mode in ("allreduce", "packed", "sharded")
-        and all(b.size < _INT32_OFFSETS_BELOW for b in layout.buckets)):
-      offsets = tuple(jnp.asarray(slot.offset, jnp.int32) for slot in layout.slots)
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), offsets)
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
   def local_step(state, batch):
     def loss_of(p):
       if packed_params:
-        p = _unpack_at(p, state.offsets) if state.offsets else unpack(p)
+        p = unpack(p)
       return loss_fn(p, batch)
 
     # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
@@ -245,7 +194,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       updates, opt_state = tx.update(shards, state.opt_state, local, value=loss)
       params = all_gather(optax.apply_updates(local, updates), axis_name)
     else:
-      grads, grad_norm = reduce_grads(grads, state.offsets or None)
+      grads, grad_norm = reduce_grads(grads)
       if mode in ("packed", "allreduce"):
         grads = _after(grads, grad_norm, loss, *_firsts(aux))
       updates, opt_state = tx.update(grads, state.opt_state, state.params, value=loss)
@@ -253,7 +202,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     metrics = {"loss": loss, "grad_norm": grad_norm}
     if has_aux:
       metrics["aux"] = aux
-    return TrainState(params, opt_state, state.step + 1, state.offsets), metrics
+    return TrainState(params, opt_state, state.step + 1), metrics
 
   def to_tree(state):
     return unpack(state.params) if packed_params else state.params
@@ -274,12 +223,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   def init(params):
     assert_same_layout(layout)
-    _flatten_like(params, layout)  # before device_put would make float64 leaves float32
+    flatten_like(params, layout)  # before device_put would make float64 leaves float32
     return init_sm(jax.tree.map(lambda x: _replicate(x, replicated), params))
 
   batch_sharding = NamedSharding(mesh, P(axis_name))
 
-  bounded = _in_flight_bound(mesh)
+  bounded = cpu.bound_in_flight(list(mesh.devices.flat))
 
   state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs,
                                  is_leaf=lambda x: isinstance(x, P))
@@ -297,7 +246,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                                                     state_shardings.opt_state))
     batch = _place_batch(batch, batch_sharding, axis_name)
     try:
-      return bounded(step_sm(state, batch))
+      out = step_sm(state, batch)
     except ValueError:
       # Part of a state restored onto one device (opt_state, with a placed counter): jit
       # refuses it before running (nothing donated yet). Placing every leaf is checked
@@ -308,30 +257,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
           state, state_shardings))
       if not any(misplaced):
         raise
-      return bounded(step_sm(jax.tree.map(_place, state, state_shardings), batch))
+      out = step_sm(jax.tree.map(_place, state, state_shardings), batch)
+    bounded(out[1]["loss"])
+    return out
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
   return DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout)
-
-
-def _in_flight_bound(mesh: Mesh) -> Callable[[Any], Any]:
-  """``bounded((state, metrics))``: on several CPU devices, first wait for the metrics of
-  the step `_CPU_MAX_IN_FLIGHT` calls back (see there why); elsewhere the identity."""
-  if mesh.devices.size < 2 or any(d.platform != "cpu" for d in mesh.devices.flat):
-    return lambda out: out
-  queued: collections.deque = collections.deque()
-
-  def bounded(out):
-    loss = out[1]["loss"]
-    if isinstance(loss, jax.core.Tracer):  # step traced by an outer jit: nothing runs yet
-      return out
-    queued.append(loss)
-    if len(queued) > _CPU_MAX_IN_FLIGHT:
-      queued.popleft().block_until_ready()
-    return out
-
-  return bounded
 
 
 def _refuse_axis_norm(optimizer: Any, mode: str) -> None:
@@ -354,7 +286,7 @@ def _check_trainable(layout: Layout) -> None:
   for slot in layout.slots:
     if not jnp.issubdtype(slot.dtype, jnp.inexact):
       raise TypeError(
-          f"Param leaf at {slot.path or '<root>'} has dtype {_dtype_name(slot.dtype)}; "
+          f"Param leaf at {slot.path or '<root>'} has dtype {dtype_name(slot.dtype)}; "
           "data_parallel differentiates the loss with respect to every param leaf, so each "
           "must be a floating (or complex) array. Keep counters, masks and PRNG keys out "
           "of the params: close over them in loss_fn or pass them in the batch.")
@@ -442,7 +374,7 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
 
   return TrainState(jax.tree.map(lambda _: P(), state_shapes.params),
                     jax.tree.map(opt_spec, state_shapes.opt_state),
-                    P(), jax.tree.map(lambda _: P(), state_shapes.offsets))
+                    P())
 
 
 def _check_state(state: TrainState, mode: str) -> None:
@@ -492,7 +424,7 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mod
 
   def init(params):
     assert_same_layout(layout)
-    _flatten_like(params, layout)
+    flatten_like(params, layout)
     def stack(x):  # a tracer when init itself is traced (jax.eval_shape, jit)
       if isinstance(x, jax.core.Tracer):
         return jnp.broadcast_to(x, (n,) + x.shape)
@@ -507,7 +439,7 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mod
       return x.reshape((n, -1) + x.shape[1:])
     return np.reshape(np.asarray(x), (n, -1) + np.shape(x)[1:])
 
-  bounded = _in_flight_bound(mesh)
+  bounded = cpu.bound_in_flight(list(mesh.devices.flat))
 
   def on_fewer_devices(x):  # restored onto one device: pmap takes host rows, not these
     return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
@@ -522,14 +454,15 @@ def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mod
       state = as_host_rows(state)
     batch = jax.tree_util.tree_map_with_path(split, batch)
     try:
-      state, metrics = bounded(step_p(state, batch))
+      state, metrics = step_p(state, batch)
     except ValueError:
       # Part of the state (opt_state) restored onto one device, with a placed counter:
       # pmap refuses it before running (nothing donated); checked only here, so a placed
       # state costs nothing per leaf.
       if not any(on_fewer_devices(x) for x in jax.tree.leaves(state)):
         raise
-      state, metrics = bounded(step_p(as_host_rows(state), batch))
+      state, metrics = step_p(as_host_rows(state), batch)
+    bounded(metrics["loss"])
     return state, jax.tree.map(lambda m: m[0], metrics)
 
   def params(state):

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from jpack._collectives import pmean, psum
-from jpack._layout import Layout, _check_plan_options, plan
+from jpack._layout import Layout, check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
 
 Labels = Union[Callable[[Any], Any], Any, None]
@@ -48,7 +48,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     >>> import optax, jpack
     >>> tx = optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3))
   """
-  _check_plan_options(plan_options, "jpack.optax.allreduce")
+  check_plan_options(plan_options, "jpack.optax.allreduce")
   reduce = pmean if mean else psum
 
   def init_fn(params):
@@ -183,7 +183,7 @@ def flat(inner: Inner, *, labels: Labels = None,
     (2, 2)
   """
   _check_inner(inner, labels)
-  _check_plan_options(plan_options, "jpack.optax.flat")
+  check_plan_options(plan_options, "jpack.optax.flat")
   _refuse_inner(inner, "inside jpack.optax.flat")
 
   def init_fn(params):

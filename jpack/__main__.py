@@ -1,28 +1,34 @@
-"""Command line: ``python -m jpack demo`` / ``python -m jpack layout WORKLOAD``."""
+"""Command line: ``python -m jpack demo`` / ``python -m jpack layout WORKLOAD.json``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from jpack.bench._common import positive_int as _positive_int
-
-WORKLOADS_DIR = pathlib.Path(__file__).resolve().parent / "workloads"
 DEFAULT_STEPS = 200
 QUICK_STEPS = 40
 
 
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-  if not value > 0 or value != value or value == float("inf"):
-    raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-  return value
+def _positive(kind: Callable[[str], Any], noun: str, least: str) -> Callable[[str], Any]:
+  """An argparse type: ``kind(text)``, refused unless finite and above 0 (NaN too)."""
+  def parse(text: str) -> Any:
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a positive {noun}, got {text!r}") from None
+    if not 0 < value < math.inf:
+      raise argparse.ArgumentTypeError(f"must be {least}, got {text}")
+    return value
+
+  return parse
+
+
+_positive_int = _positive(int, "integer", ">= 1")
+_positive_float = _positive(float, "number", "a positive number")
 
 
 def _modes(text: str) -> list[str]:
@@ -38,10 +44,6 @@ def _modes(text: str) -> list[str]:
   if len(set(modes)) != len(modes):
     raise argparse.ArgumentTypeError(f"mode listed twice in {text!r}")
   return modes
-
-
-def _workload_names() -> list[str]:
-  return sorted(p.stem for p in WORKLOADS_DIR.glob("*.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default %(default)s")
   demo.add_argument("--comm-dtype", choices=COMM_DTYPES, default="none",
                     help="wire dtype of jpack's gradient collectives (none: the "
-                         "gradients' own dtype); the per_leaf/ravel baselines ignore it; "
+                         "gradients' own dtype); the per_leaf baseline ignores it; "
                          "default %(default)s")
   demo.add_argument("--width", type=_positive_int, default=128,
                     help="MLP hidden width; default %(default)s")
@@ -94,11 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
   demo.set_defaults(handler=_cmd_demo, subparser=demo)
 
   layout = sub.add_parser(
-      "layout", help="print jpack.plan's bucket layout for a bundled workload",
-      description="Print the bucket table jpack.plan builds for a workload (a JSON list "
-                  "of leaf shapes and dtypes: a bundled name or a path).")
-  layout.add_argument("workload", metavar="WORKLOAD",
-                      help=f"one of {', '.join(_workload_names())}, or a .json path")
+      "layout", help="print jpack.plan's bucket layout for a workload file",
+      description="Print the bucket table jpack.plan builds for a workload: a JSON file "
+                  "{'leaves': [{'path', 'shape', 'dtype'}, ...]}, such as those in "
+                  "benchmarks/workloads/ of the jpack repository.")
+  layout.add_argument("workload", metavar="WORKLOAD.json", help="path of the workload file")
   layout.add_argument("--bucket-mib", type=_positive_float, default=None,
                       help="bucket size cap in MiB (default: jpack's own, 4 MiB)")
   layout.add_argument("--num-shards", type=_positive_int, default=1,
@@ -135,13 +137,10 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-  name = args.workload
-  path = pathlib.Path(name)
-  if not (name.endswith(".json") and path.is_file()):
-    path = WORKLOADS_DIR / f"{name}.json"
-    if not path.is_file():
-      parser.error(f"unknown workload {name!r}; choose from {', '.join(_workload_names())} "
-                   "or give a path to a .json file")
+  path = pathlib.Path(args.workload)
+  if not path.is_file():
+    parser.error(f"no workload file {args.workload!r}: give the path of a .json file, e.g. "
+                 "benchmarks/workloads/resnet50.json in a checkout of the jpack repository")
   try:
     doc = json.loads(path.read_text())
     import jax

@@ -12,15 +12,22 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import sys
 import time
 from typing import Any, Sequence
 
-DEMO_MODES = ("per_leaf", "ravel", "allreduce", "sharded")  # the default comparison
-ALL_MODES = ("per_leaf", "ravel", "allreduce", "packed", "sharded")
+DEMO_MODES = ("per_leaf", "allreduce", "sharded")  # the default comparison
+ALL_MODES = ("per_leaf", "allreduce", "packed", "sharded")
 COMM_DTYPES = ("none", "float32", "bfloat16")
+# The usual step without jpack (`per_leaf_step`); every other mode is jpack.data_parallel's.
 BASELINE = "per_leaf"
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
+# A collective op in compiled HLO text and its operands, e.g.
+# "... all-reduce(%param.8, %param.9), channel_id=1, ...": several collectives merged
+# into one op on a tuple list every array they move as an operand.
+_COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(([^)]*)\)")
 
 
 @dataclasses.dataclass
@@ -149,18 +156,71 @@ def loss_fn(params: dict, batch) -> Any:
   return optax.softmax_cross_entropy_with_integer_labels(forward(params, x), y).mean()
 
 
+# -- the baseline ----------------------------------------------------------------------
+
+
+def per_leaf_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any:
+  """The usual data-parallel step without jpack: a ``lax.pmean`` per gradient leaf.
+
+  Returns a `jpack.DataParallel` like ``jpack.data_parallel`` does, over the mesh's
+  first axis. Its ``layout``, planned as data_parallel plans it, is only reported: the
+  step never packs.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jpack
+
+  axis = mesh.axis_names[0]
+
+  def local_step(state, batch):
+    # Differentiate w.r.t. this device's copy of the params: shard_map's autodiff would
+    # otherwise all-reduce each gradient leaf by itself, before the pmean below.
+    mine = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), state.params)
+    loss, grads = jax.value_and_grad(loss_fn)(mine, batch)
+    grads = jax.tree.map(lambda g: jax.lax.pmean(g, axis), grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new = jpack.TrainState(optax.apply_updates(state.params, updates), opt_state,
+                           state.step + 1)
+    return new, {"loss": jax.lax.pmean(loss, axis), "grad_norm": optax.tree.norm(grads)}
+
+  def local_init(p):
+    return jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32))
+
+  init = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P()))
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(axis)),
+                               out_specs=(P(), P())), donate_argnums=0)
+  replicated = NamedSharding(mesh, P())
+  layout = jpack.plan(params, **{"num_shards": mesh.shape[axis], **plan_options})
+  return jpack.DataParallel(lambda p: init(jax.device_put(p, replicated)), step,
+                            lambda state: state.params, layout)
+
+
 # -- measuring -------------------------------------------------------------------------
+
+
+def count_collectives(hlo_text: str) -> tuple[dict[str, int], int]:
+  """Collective ops in ``compiled.as_text()``, by kind, and the arrays they move."""
+  count = dict.fromkeys(COLLECTIVES, 0)
+  arrays = 0
+  for kind, operands in _COLLECTIVE_RE.findall(hlo_text):
+    count[kind] += 1
+    arrays += operands.count("%")
+  return count, arrays
 
 
 def grad_bytes_per_step(layout, mode: str, comm_dtype) -> int:
   """Bytes entering the gradient reduction each step, on one device.
 
   jpack modes send whole buckets (padding included) in ``comm_dtype`` when set (bf16
-  halves f32); the baselines send the parameters' own bytes.
+  halves f32); the per-leaf baseline sends the parameters' own bytes.
   """
   import jax.numpy as jnp
 
-  if mode in ("per_leaf", "ravel"):
+  if mode == BASELINE:
     return layout.leaf_nbytes
   total = 0
   for b in layout.buckets:
@@ -185,13 +245,16 @@ def opt_state_bytes_per_device(opt_state, mode: str, n: int) -> int:
 def compiled_hlo(dp, state, batch) -> str:
   """The optimized HLO of the program ``dp.step`` runs.
 
-  ``dp.step`` is a thin Python wrapper around a jitted shard_map; lowering that jitted
-  function again for the same arguments hits JAX's compilation cache (no second
-  compile). If the wrapper ever stops exposing it, compile ``jax.jit(dp.step)`` instead:
-  the same program, at the cost of one more compile.
+  ``dp.step`` is a jitted function (the baseline) or a thin Python wrapper around one
+  (``jpack.data_parallel``); lowering that jitted function again for the same arguments
+  hits JAX's compilation cache (no second compile). If the wrapper ever stops exposing
+  it, compile ``jax.jit(dp.step)`` instead: the same program, at the cost of one more
+  compile.
   """
   import jax
 
+  if callable(getattr(dp.step, "lower", None)):
+    return dp.step.lower(state, batch).compile().as_text()
   for cell in getattr(dp.step, "__closure__", None) or ():
     try:
       inner = cell.cell_contents
@@ -227,15 +290,7 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   def say(*a):
     print(*a, file=stream, flush=True)
 
-  for m in modes:
-    if m not in ALL_MODES:
-      raise ValueError(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
-  if batch_size % devices:
-    raise ValueError(f"batch size {batch_size} must be divisible by devices {devices}")
-  if comm_dtype not in COMM_DTYPES:
-    raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
-  if steps < 2:  # the first step compiles: step times need a second one
-    raise ValueError(f"steps must be >= 2 (the first step compiles), got {steps}")
+  _check_options(modes, devices, batch_size, comm_dtype, steps)
   out_dir = pathlib.Path(out)
   if out_dir.exists() and not out_dir.is_dir():  # found now, not after training
     raise ValueError(f"out {str(out_dir)!r} exists and is not a directory")
@@ -251,7 +306,6 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   import optax
 
   import jpack
-  from jpack._hlo import count_collectives
 
   wire = {"none": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[comm_dtype]
   mesh = jax.sharding.Mesh(np.array(devs), ("batch",),
@@ -269,43 +323,29 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
 
   # Every mode sees the same batches, so the loss curves are comparable.
   rng = np.random.default_rng(seed)
-  batch_idx = [rng.choice(len(x_train), batch_size, replace=False) for _ in range(steps)]
+  batches = [(x_train[idx], y_train[idx]) for idx in
+             (rng.choice(len(x_train), batch_size, replace=False) for _ in range(steps))]
   predict = jax.jit(forward)
 
   results = []
   for i, mode in enumerate(modes):
-    dp = jpack.data_parallel(loss_fn, optax.adamw(lr, weight_decay=1e-4), params0, mesh,
-                             mode=mode,
-                             comm_dtype=None if mode in ("per_leaf", "ravel") else wire,
-                             **plan_options)
+    optimizer = optax.adamw(lr, weight_decay=1e-4)
+    dp = (per_leaf_step(loss_fn, optimizer, params0, mesh, **plan_options)
+          if mode == BASELINE else
+          jpack.data_parallel(loss_fn, optimizer, params0, mesh, mode=mode,
+                              comm_dtype=wire, **plan_options))
     if i == 0:
       say("\nParameter layout (jpack.plan):")
       say(dp.layout.summary())
       say("")
-    state = dp.init(params0)
-    losses, times = [], []
-    bar = _progress(steps, mode, progress, say)
-    batch = None
-    for step in range(steps):
-      idx = batch_idx[step]
-      batch = jax.device_put((x_train[idx], y_train[idx]), batch_sharding)
-      jax.block_until_ready(batch)
-      t0 = time.perf_counter()
-      state, metrics = dp.step(state, batch)
-      jax.block_until_ready((state, metrics))
-      dt = time.perf_counter() - t0
-      loss = float(metrics["loss"])
-      losses.append(loss)
-      times.append(dt * 1e3)
-      bar.update(step, loss, dt * 1e3)
-    bar.close()
-
-    colls = count_collectives(compiled_hlo(dp, state, batch))
+    state, batch, losses, times = _train(dp, params0, batches, batch_sharding,
+                                         _progress(steps, mode, progress, say))
+    collectives, arrays = count_collectives(compiled_hlo(dp, state, batch))
     logits = predict(dp.params(state), x_test)
     accuracy = float((np.asarray(logits).argmax(-1) == y_test).mean())
     results.append(ModeResult(
         mode=mode, losses=losses, step_ms=times, compile_s=times[0] / 1e3,
-        collectives=colls.count, collective_arrays=colls.arrays,
+        collectives=collectives, collective_arrays=arrays,
         grad_bytes=grad_bytes_per_step(dp.layout, mode, wire),
         opt_state_bytes=opt_state_bytes_per_device(state.opt_state, mode, devices),
         test_accuracy=accuracy))
@@ -323,6 +363,42 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   say(f"\nWrote {png} and {out_dir / 'results.json'} "
       f"(total {time.perf_counter() - t_start:.1f} s)")
   return results
+
+
+def _check_options(modes: Sequence[str], devices: int, batch_size: int, comm_dtype: str,
+                   steps: int) -> None:
+  for m in modes:
+    if m not in ALL_MODES:
+      raise ValueError(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
+  if batch_size % devices:
+    raise ValueError(f"batch size {batch_size} must be divisible by devices {devices}")
+  if comm_dtype not in COMM_DTYPES:
+    raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
+  if steps < 2:  # the first step compiles: step times need a second one
+    raise ValueError(f"steps must be >= 2 (the first step compiles), got {steps}")
+
+
+def _train(dp, params0: dict, batches: Sequence[Any], sharding, bar) -> tuple:
+  """One step of ``dp`` per host batch, each timed alone (the batch placed first).
+
+  Returns the final state, the last placed batch, and every step's loss and time (ms).
+  """
+  import jax
+
+  state = dp.init(params0)
+  losses, times = [], []
+  batch = None
+  for step, host_batch in enumerate(batches):
+    batch = jax.block_until_ready(jax.device_put(host_batch, sharding))
+    t0 = time.perf_counter()
+    state, metrics = dp.step(state, batch)
+    jax.block_until_ready((state, metrics))
+    ms = (time.perf_counter() - t0) * 1e3
+    losses.append(float(metrics["loss"]))
+    times.append(ms)
+    bar.update(step, losses[-1], ms)
+  bar.close()
+  return state, batch, losses, times
 
 
 def format_table(results: Sequence[ModeResult]) -> str:

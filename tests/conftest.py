@@ -19,7 +19,7 @@ settings.register_profile("ci", max_examples=40, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=15, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-WORKLOADS = pathlib.Path(__file__).resolve().parents[1] / "jpack" / "workloads"
+WORKLOADS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "workloads"
 
 
 def load_workload(name: str) -> dict:

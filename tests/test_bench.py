@@ -1,22 +1,37 @@
 """The benchmarks run and print their tables (tiny sizes; no timing is asserted here).
 
-Each runs in a subprocess, as users run them: the collective benchmarks set up 8 CPU
-devices before JAX starts. The step benchmark doubles as a check that every training mode
-ends where the per-leaf baseline ends.
+Each runs in a subprocess from the repository root, as users run them
+(``python -m benchmarks.<name>``): the collective benchmarks set up 8 CPU devices before
+JAX starts. The step benchmark doubles as a check that every training mode ends where
+the per-leaf baseline ends.
 """
 
+import json
+import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MACHINE_KEYS = {"cpu", "cores", "jax", "jaxlib", "optax", "device_kind", "device_count"}
 
-def bench(*args: str, timeout: int = 600) -> str:
-  out = subprocess.run([sys.executable, "-m", "jpack.bench", *args], capture_output=True,
-                       text=True, timeout=timeout)
+
+def run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                        text=True, timeout=timeout, cwd=ROOT)
+
+
+def bench(name: str, json_path: pathlib.Path, *args: str) -> tuple[str, dict]:
+  out = run(f"benchmarks.{name}", *args, "--json", str(json_path))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  return out.stdout
+  doc = json.loads(json_path.read_text())
+  assert doc["benchmark"] == name and MACHINE_KEYS <= set(doc["machine"])
+  assert doc["command"] == " ".join(["python -m benchmarks", name, *args, "--json",
+                                     str(json_path)])
+  assert doc["tables"] and all(t["rows"] for t in doc["tables"])
+  return out.stdout, doc
 
 
 def table_rows(text: str, first_cell: str) -> list[list[str]]:
@@ -25,9 +40,10 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
 
 
 @pytest.mark.timeout(600)
-def test_step_benchmark_every_mode_matches_per_leaf():
-  text = bench("step", "--models", "mlp_4x32", "--steps", "2", "--blocks", "1")
-  assert "machine:" in text and "speed-up" in text
+def test_step_benchmark_every_mode_matches_per_leaf(tmp_path):
+  text, doc = bench("step", tmp_path / "step.json", "--models", "mlp_4x32", "--steps", "2",
+                    "--blocks", "1")
+  assert "machine:" in text and "speed-up" in text and "gap closed" in text
   labels = ["ravel_pytree", "optax.flatten", "jpack allreduce", "jpack packed",
             "jpack sharded", "hand-written ZeRO-1", "optax.chain(jpack.optax.allreduce, adam)"]
   for label in labels:
@@ -38,32 +54,50 @@ def test_step_benchmark_every_mode_matches_per_leaf():
   bf16 = [r for r in table_rows(text, "jpack packed bf16")][-1]
   assert float(bf16[-1]) < 1e-2  # bf16 wire: rounded gradients, same optimizer
   assert any("A2A" in cell for cell in bf16)  # narrow wire: integer bits via all_to_all
-  assert table_rows(text, "bound: grads only")
   assert table_rows(text, "bound: packed grads only")
   sgd = [r for r in table_rows(text, "bound: ZeRO-1 with sgd")][-1]
   assert any("RS" in cell for cell in sgd) and sgd[-1] == "-"  # not adam: no comparison
+  # Per-leaf removes none of its own time above the floor; the floor all of it.
+  assert [r for r in table_rows(text, "per-leaf pmean")][-1][4] == "0%"
+  assert [r for r in table_rows(text, "bound: grads only")][-1][4] == "100%"
+
+  rows = {r["values"]["key"]: r["values"] for r in doc["tables"][0]["rows"]}
+  t = {key: v["step_s"] for key, v in rows.items()}
+  want = (t["per_leaf"] - t["packed"]) / (t["per_leaf"] - t["grad_only"])
+  assert rows["packed"]["gap_closed"] == pytest.approx(want)
+  assert rows["packed"]["speedup_vs_per_leaf"] == pytest.approx(t["per_leaf"] / t["packed"])
+  assert rows["sharded"]["collectives"]["reduce-scatter"] >= 1
+  assert rows["per_leaf"]["max_param_diff_vs_per_leaf"] is None
 
 
 @pytest.mark.timeout(600)
-def test_pack_benchmark_prints_its_table():
-  text = bench("pack", "--workloads", "mixed_llama_tiny", "--max-leaves", "20", "--runs", "2",
-               "--plan-runs", "2")
+def test_pack_benchmark_prints_its_table(tmp_path):
+  text, doc = bench("pack", tmp_path / "pack.json", "--workloads", "mixed_llama_tiny",
+                    "--max-leaves", "20", "--runs", "2", "--plan-runs", "2")
   assert "mixed_llama_tiny" in text and "unpack" in text
   ops = {row[1] for row in table_rows(text, "mixed_llama_tiny") if len(row) > 1}
   assert {"(f) jpack.pack, eager", "(f) jpack.unpack, eager"} <= ops
+  pack = next(r["values"] for r in doc["tables"][0]["rows"] if r["values"]["key"] == "pack")
+  assert pack["run_s"] > 0 and pack["compile_s"] > 0 and pack["run_vs_max_ab"] > 0
 
 
 @pytest.mark.timeout(600)
-def test_collectives_benchmark_prints_its_table():
-  text = bench("collectives", "--workloads", "resnet50", "--max-leaves", "20", "--runs", "2",
-               "--no-sweep", "--compile-rounds", "2")
+def test_collectives_benchmark_prints_its_table(tmp_path):
+  text, doc = bench("collectives", tmp_path / "c.json", "--workloads", "resnet50",
+                    "--max-leaves", "20", "--runs", "2", "--no-sweep",
+                    "--compile-rounds", "2")
   assert "per-leaf pmean" in text and "jpack s+g" in text and "jpack s+g Packed" in text
+  rows = {r["values"]["key"]: r["values"] for r in doc["tables"][0]["rows"]}
+  assert rows["per_leaf"]["vs_per_leaf"] == 1.0 and rows["jpack_sg"]["vs_floor"] > 0
 
 
-def test_unknown_benchmark_is_a_clear_error():
-  out = subprocess.run([sys.executable, "-m", "jpack.bench", "nope"], capture_output=True,
-                       text=True, timeout=120)
+def test_the_runner_lists_and_refuses():
+  out = run("benchmarks", "--help", timeout=120)
+  assert out.returncode == 0 and "pack, collectives, step" in out.stdout
+  out = run("benchmarks", "nope", timeout=120)
   assert out.returncode == 2 and "Unknown benchmark" in out.stdout
+  out = run("benchmarks", "step", "--help", timeout=120)
+  assert out.returncode == 0 and "python -m benchmarks step" in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -75,13 +109,14 @@ def test_unknown_benchmark_is_a_clear_error():
     (["collectives", "--markdown", "/no/such/dir/c.md"], "does not exist"),
     (["pack", "--workloads", "gpt3"], "unknown workload(s) 'gpt3'"),
     (["pack", "--max-leaves", "-1"], "must be >= 1"),
+    (["pack", "--json", "/no/such/dir/p.json"], "does not exist"),
     (["step", "--steps", "-1"], "must be >= 1"),
     (["step", "--blocks", "0"], "must be >= 1"),
     (["step", "--solo-bytes", "-5"], "--solo-bytes must be >= 0"),
+    (["step", "--variants", "per_leaf,nope"], "unknown variants ['nope']"),
 ])
 def test_bad_benchmark_flags_fail_before_running(args, message):
-  out = subprocess.run([sys.executable, "-m", "jpack.bench", *args], capture_output=True,
-                       text=True, timeout=120)
+  out = run(f"benchmarks.{args[0]}", *args[1:], timeout=120)
   assert out.returncode != 0, out.stdout
   assert message in out.stdout + out.stderr, out.stdout + out.stderr
   assert "Traceback" not in out.stderr
@@ -89,10 +124,20 @@ def test_bad_benchmark_flags_fail_before_running(args, message):
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():
-  from jpack.bench import _common as c
+  from benchmarks import _common as c
   # Round 2 is slow for both (a host drift): paired, it cancels; medians alone would not.
   a = c.Timing(0.0, 0.0, 3, (1.0, 4.0, 1.2))
   b = c.Timing(0.0, 0.0, 3, (2.0, 8.0, 2.0))
   assert c.paired_ratio(a, b) == 0.5
   with pytest.raises(ValueError, match="same interleaved rounds"):
     c.paired_ratio(a, c.Timing(0.0, 0.0, 2, (1.0, 2.0)))
+
+
+def test_results_json_has_no_nan_and_plain_numbers():
+  import numpy as np
+
+  from benchmarks import _common as c
+  table = c.Table(["a"])
+  table.add("1", x=np.float32(0.5), y=float("nan"), z=[np.int64(3), float("inf")])
+  assert c._finite(table.json())["rows"][0]["values"] == {"x": 0.5, "y": None,
+                                                          "z": [3, None]}

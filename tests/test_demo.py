@@ -2,13 +2,16 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from jpack import __main__ as cli
-from jpack._demo import ALL_MODES
+from jpack._demo import ALL_MODES, count_collectives
+
+WORKLOADS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "workloads"
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
@@ -73,7 +76,7 @@ def test_demo_quick_runs_all_modes(tmp_path):
     (["demo", "--bucket-mib", "-1"], "positive number"),
     (["demo", "--devices", "3", "--batch-size", "256"], "divisible"),
     (["demo", "--frobnicate"], "unrecognized arguments"),
-    (["layout", "no_such_workload"], "unknown workload"),
+    (["layout", "no_such_workload"], "no workload file 'no_such_workload'"),
     (["nope"], "invalid choice"),
 ])
 def test_bad_flags_exit_with_a_clear_message(argv, message, capsys):
@@ -116,7 +119,8 @@ def test_help_and_no_command(capsys):
 
 
 def test_layout_command(capsys):
-  assert cli.main(["layout", "gpt2_small", "--num-shards", "8", "--bucket-mib", "16"]) == 0
+  path = str(WORKLOADS / "gpt2_small.json")
+  assert cli.main(["layout", path, "--num-shards", "8", "--bucket-mib", "16"]) == 0
   text = capsys.readouterr().out
   assert text.startswith("gpt2_small:")
   assert "Layout " in text and "bucket" in text and "float32" in text
@@ -143,3 +147,18 @@ def test_missing_demo_extra_says_what_to_install(monkeypatch, capsys, tmp_path):
   monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
   assert cli.main(["demo", "--steps", "2", "--no-progress", "--out", str(tmp_path)]) == 1
   assert "pip install 'jpack[demo]'" in capsys.readouterr().err
+
+
+def test_collective_counter_counts_ops_and_the_arrays_they_move():
+  hlo = """
+  %all-reduce = (f32[1]{0}, /*index=5*/f32[2]{0}) all-reduce(%p.8, /*index=5*/%p.9), to_apply=%r
+  %gte = f32[1]{0} get-tuple-element(%all-reduce), index=0
+  %rs = f32[2]{0} reduce-scatter(%z), dimensions={0}
+  %ags = f32[8]{0} all-gather-start(%rs), dimensions={0}
+  %agd = f32[8]{0} all-gather-done(%ags)
+  %a2a = (u16[1,4]{1,0}, u16[1,4]{1,0}) all-to-all(%p, %q), dimensions={0}
+  """
+  count, arrays = count_collectives(hlo)
+  assert count == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 1}
+  assert arrays == 6
+  assert count_collectives("%m = f32[2]{0} multiply(%a, %b)") == (dict.fromkeys(count, 0), 0)

@@ -1,6 +1,6 @@
-"""The HLO collective counter the demo and the benchmarks report with."""
+"""The HLO collective counter the benchmarks report with."""
 
-from jpack._hlo import count_collectives
+from benchmarks._hlo import count_collectives
 
 
 def test_counts_ops_arrays_and_result_bytes():

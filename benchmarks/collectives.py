@@ -22,10 +22,10 @@ its group medians:
                  bytes (shown when the tree is not all f32; XLA:CPU widens bf16 itself)
   x*2 local      per-leaf ``x * 2`` (no communication): the per-buffer cost of N outputs
 
-    python -m jpack.bench collectives              # big workloads cut to ~26 M elements (~10 min)
-    python -m jpack.bench collectives --full       # + many_small_4000 (compile-bound, +10 min)
-    python -m jpack.bench collectives --quick      # small subsets, 5 runs (~2 min)
-    python -m jpack.bench collectives --workloads resnet50 --markdown coll.md
+    python -m benchmarks collectives              # big workloads cut to ~26 M elements
+    python -m benchmarks collectives --full       # + many_small_4000 (compile-bound)
+    python -m benchmarks collectives --quick      # small subsets, 5 runs
+    python -m benchmarks collectives --workloads resnet50 --markdown coll.md
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import math
 import statistics
+import sys
 from typing import Any, Callable
 
 import jax
@@ -45,7 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpack
-from jpack.bench import _common as c
+from benchmarks import _common as c
 
 NUM_DEVICES = 8
 AXIS = "batch"
@@ -74,11 +75,11 @@ VARIANTS = {
 GOAL_VARIANTS = ("jpack_psum", "jpack_sg", "jpack_packed")
 BASELINES = ("per_leaf", "floor")
 # Above --slow-leaves leaves only these run by default: every jpack variant (and ravel's
-# unravel) returns N slices, and XLA:CPU compiles one kernel per output slice (~30 s or
-# more at 4000 leaves). --all-variants runs everything.
+# unravel) returns N slices, and XLA:CPU compiles one kernel per output slice, which
+# dominates the run at thousands of leaves. --all-variants runs everything.
 SLOW_VARIANTS = ("per_leaf", "jpack_sg", "jpack_packed", "floor", "floor_dtypes")
-# Left out of the default run (its per-leaf pmean alone compiles ~26 s, jpack's tree pmean
-# ~49 s on the EPYC host): --full, or name it in --workloads.
+# Left out of the default run (compiling its per-leaf and tree pmeans dominates the whole
+# run): --full, or name it in --workloads.
 FULL_ONLY = ("many_small_4000",)
 
 
@@ -200,10 +201,9 @@ def bench_workload(bench: Bench, w: c.Workload, variants: tuple[str, ...],
   specs = {k: specs[k] for k in VARIANTS if k in specs}
   compiled, compile_paired = compile_in_rounds(bench, specs, compile_rounds)
   # Each variant is timed in rounds with the baselines only: in rounds of all variants,
-  # one variant slowed the next (BERT `Packed`: 166 ms, 258 ms when the bf16-wire variant
-  # ran in the same rounds). The host also drifts from group to group (a 52 MB floor took
-  # 61-98 ms in one group, 98-183 ms in another), so every ratio is paired: the median,
-  # over the rounds of one group, of the variant's time over the baseline's in that round.
+  # one variant can slow the next (a large output freed, pages to fault back). The host
+  # also drifts from group to group, so every ratio is paired: the median, over the
+  # rounds of one group, of the variant's time over the baseline's in that round.
   # A baseline's own row shows the median of its group medians.
   baselines = [k for k in BASELINES if k in compiled]
   groups = [baselines] if baselines else []
@@ -298,13 +298,11 @@ def wire_bytes(layout: jpack.Layout) -> tuple[int, int, int]:
   return layout.leaf_nbytes, native, bf16
 
 
-def main(argv: list[str] | None = None) -> int:
-  # First, before anything creates an array: the CPU backend reads this once, at start.
-  c.set_cpu_devices(NUM_DEVICES)
-  parser = argparse.ArgumentParser(prog="python -m jpack.bench collectives", description=__doc__,
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks collectives", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workloads", default="",
-                      help="comma-separated workload names (default: all packaged ones); "
+                      help="comma-separated workload names (default: all of them); "
                            "'small_1000' is the synthetic 1000-leaf (1 MiB) tree")
   parser.add_argument("--quick", action="store_true",
                       help=f"{', '.join(QUICK_WORKLOADS)} cut to <= {QUICK_MAX_LEAVES} leaves / "
@@ -323,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="above this many leaves run only " + ", ".join(SLOW_VARIANTS)
                            + " (default 1000)")
   parser.add_argument("--all-variants", action="store_true",
-                      help="run every variant on every workload (many_small_4000: +10 min)")
+                      help="run every variant on every workload (slow to compile above "
+                           "--slow-leaves)")
   parser.add_argument("--full", action="store_true",
-                      help=f"also run {', '.join(FULL_ONLY)} (compile-bound: adds ~10 min)")
+                      help=f"also run {', '.join(FULL_ONLY)} (compile-bound)")
   parser.add_argument("--compile-rounds", type=c.positive_int, default=1,
                       help="compile every variant this many times, in rotating order, and "
                            "report median compile times and paired compile ratios (default 1)")
@@ -333,22 +332,12 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--sweep-workload", default=None,
                       help="workload of the bucket-size sweep (default: resnet50 when it "
                            "is selected, else no sweep)")
-  parser.add_argument("--markdown", metavar="FILE", type=c.markdown_path,
-                      help="also write the tables as Markdown")
-  args = parser.parse_args(argv)
-  c.require_devices(NUM_DEVICES)
+  c.add_output_args(parser, "collectives")
+  return parser
 
-  runs = args.runs if args.runs is not None else 5
-  max_elements = args.max_elements if args.max_elements is not None else (
-      QUICK_MAX_ELEMENTS if args.quick else DEFAULT_MAX_ELEMENTS)
-  max_leaves = args.max_leaves if args.max_leaves is not None else (
-      QUICK_MAX_LEAVES if args.quick else None)
-  small_leaves = QUICK_SMALL_LEAVES if args.quick else 1000
-  small = c.synthetic_small_leaves(small_leaves, 2**20)
-  variants = tuple(v for v in args.variants.split(",") if v)
-  unknown = set(variants) - set(VARIANTS)
-  if unknown:
-    raise SystemExit(f"Unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+
+def _workloads(args: argparse.Namespace, small: c.Workload) -> tuple[list[str], list[str]]:
+  """The workloads to run and those left out of a default run; exits on a bad name."""
   names = [n for n in args.workloads.split(",") if n]
   bad_small = [n for n in names if n.startswith("small_")
                and not (n[len("small_"):].isdigit() and int(n[len("small_"):]) > 0)]
@@ -359,27 +348,45 @@ def main(argv: list[str] | None = None) -> int:
                          extra=("small_N",))
   if args.sweep_workload is not None:
     c.check_workload_names([args.sweep_workload], "--sweep-workload")
-  left_out = []
-  if not names:
-    names = [small.name] + list(QUICK_WORKLOADS if args.quick else c.workload_names())
-    if not (args.quick or args.full):
-      left_out = [n for n in names if n in FULL_ONLY]
-      names = [n for n in names if n not in FULL_ONLY]
-  sweep_mib = SWEEP_MIB[:2] if args.quick else SWEEP_MIB
+  if names:
+    return names, []
+  names = [small.name] + list(QUICK_WORKLOADS if args.quick else c.workload_names())
+  if args.quick or args.full:
+    return names, []
+  return [n for n in names if n not in FULL_ONLY], [n for n in names if n in FULL_ONLY]
 
-  report = c.Report("jpack collectives benchmark")
-  c.banner("jpack.bench collectives", [
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  # First, before anything creates an array: the CPU backend reads this once, at start.
+  c.set_cpu_devices(NUM_DEVICES)
+  args = _parser().parse_args(argv)
+  runs = args.runs if args.runs is not None else 5
+  max_elements = args.max_elements if args.max_elements is not None else (
+      QUICK_MAX_ELEMENTS if args.quick else DEFAULT_MAX_ELEMENTS)
+  max_leaves = args.max_leaves if args.max_leaves is not None else (
+      QUICK_MAX_LEAVES if args.quick else None)
+  small = c.synthetic_small_leaves(QUICK_SMALL_LEAVES if args.quick else 1000, 2**20)
+  variants = tuple(v for v in args.variants.split(",") if v)
+  unknown = set(variants) - set(VARIANTS)
+  if unknown:
+    raise SystemExit(f"Unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+  names, left_out = _workloads(args, small)
+  c.require_devices(NUM_DEVICES)
+
+  report = c.Report("jpack collectives benchmark", "collectives", argv)
+  c.banner("benchmarks.collectives", [
       f"{NUM_DEVICES} CPU devices, shard_map over ('{AXIS}',); runs {runs} (median of "
       f"interleaved rounds, after 1 warm-up); max_elements {max_elements:,}, max_leaves {max_leaves}"
       + (f"; left out (--full): {', '.join(left_out)}" if left_out else "")])
   bench = Bench(runs)
 
-  all_results = {}
-  layouts = {}
-  workloads = {}
+  all_results, layouts, workloads = {}, {}, {}
   for name in names:
-    if name.startswith("small_"):
-      w = small if name == small.name else c.synthetic_small_leaves(int(name.split("_")[1]), 2**20)
+    if name == small.name:
+      w = small
+    elif name.startswith("small_"):
+      w = c.synthetic_small_leaves(int(name.split("_")[1]), 2**20)
     else:
       w = c.load_workload(name, max_leaves=max_leaves, max_elements=max_elements)
     workloads[name] = w
@@ -390,102 +397,126 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(chosen)} (--all-variants for all)", flush=True)
     all_results[name], layouts[name] = bench_workload(bench, w, chosen, args.compile_rounds)
 
-  sweep = []
   sweep_name = args.sweep_workload or ("resnet50" if "resnet50" in names else None)
   if not args.no_sweep and sweep_name is None:
     print("\nNo bucket-size sweep: resnet50 is not among the workloads "
           "(--sweep-workload NAME runs it on another).", flush=True)
+  report.table(_main_table(all_results, workloads))
+  report.table(_bytes_table(all_results, workloads, layouts))
   if not args.no_sweep and sweep_name is not None:
     sw = c.load_workload(sweep_name, max_leaves=max_leaves, max_elements=max_elements)
-    sweep = bucket_sweep(bench, sw, sweep_mib)
+    sweep = bucket_sweep(bench, sw, SWEEP_MIB[:2] if args.quick else SWEEP_MIB)
+    report.table(_sweep_table(sweep, _label(sweep_name, sw), sweep_name,
+                              all_results.get(sweep_name, {})))
+  report.table(_goals_table(all_results, workloads, left_out))
+  report.text(_notes(args, workloads, left_out))
+  report.write(args)
+  return 0
 
-  # -- main table ----------------------------------------------------------------------
-  t1 = c.Table(["workload", "variant", "run ms", "vs per-leaf", "vs floor", "lower s",
-                "compile s", "C vs per-leaf", "HLO collectives"],
-               title=f"pmean over {NUM_DEVICES} CPU devices (run: median; per-leaf and floor: "
-                     "median of their group medians; vs = time ratio paired by rounds, lower "
-                     "is better; C = lower + compile)")
+
+def _main_table(all_results: dict[str, dict[str, Result]],
+                workloads: dict[str, c.Workload]) -> c.Table:
+  table = c.Table(["workload", "variant", "run ms", "vs per-leaf", "vs floor", "lower s",
+                   "compile s", "C vs per-leaf", "HLO collectives"],
+                  title=f"pmean over {NUM_DEVICES} CPU devices (run: median; per-leaf and "
+                        "floor: median of their group medians; vs = time ratio paired by "
+                        "rounds, lower is better; C = lower + compile)")
   for name, res in all_results.items():
     w = workloads[name]
-    label = _label(name, w)
-    base = res.get("per_leaf")
-    floor = res.get("floor")
-    for key in VARIANTS:
-      if key not in res:
-        continue
+    base, floor = res.get("per_leaf"), res.get("floor")
+    for key in (k for k in VARIANTS if k in res):
       r = res[key]
-      t1.add(label, VARIANTS[key], c.fmt_ms(r.run_s),
-             c.fmt_ratio(r.vs(base)), c.fmt_ratio(r.vs(floor)),
-             c.fmt_s(r.compiled.lower_s), c.fmt_s(r.compiled.compile_s),
-             c.fmt_ratio(r.compile_vs(base)), r.colls.short())
-  report.table(t1)
+      table.add(_label(name, w), VARIANTS[key], c.fmt_ms(r.run_s),
+                c.fmt_ratio(r.vs(base)), c.fmt_ratio(r.vs(floor)),
+                c.fmt_s(r.compiled.lower_s), c.fmt_s(r.compiled.compile_s),
+                c.fmt_ratio(r.compile_vs(base)), r.colls.short(),
+                workload=name, key=key, leaves=w.num_leaves, elements=w.num_elements,
+                run_s=r.run_s, run_min_s=r.timing.min_s, runs=r.timing.runs,
+                vs_per_leaf=r.vs(base), vs_floor=r.vs(floor), lower_s=r.compiled.lower_s,
+                compile_s=r.compiled.compile_s, compile_vs_per_leaf=r.compile_vs(base),
+                **c.collective_values(r.colls))
+  return table
 
-  # -- bytes on the wire -------------------------------------------------------------
-  t2 = c.Table(["workload", "leaves", "buckets", "leaf MB", "f32 wire MB", "bf16 wire MB",
-                "HLO reduced MB (s+g)", "HLO gathered MB (s+g)", "HLO reduced MB (bf16)",
-                "HLO gathered MB (bf16)"],
-               title="Bytes all-reduced per step (per device). Layout: sum of bucket bytes; "
-                     "bf16 wire halves f32 buckets. HLO: all-reduce + reduce-scatter input "
-                     "+ all-to-all bytes, all-gather output bytes")
+
+def _hlo_bytes(res: dict[str, Result], key: str) -> tuple[int | None, int | None]:
+  """Bytes variant ``key`` reduces (all-reduce + reduce-scatter input + all-to-all) and
+  gathers (all-gather output) in its compiled program."""
+  if key not in res:
+    return None, None
+  b = res[key].colls.result_bytes
+  return (b["all-reduce"] + NUM_DEVICES * b["reduce-scatter"] + b["all-to-all"],
+          b["all-gather"])
+
+
+def _bytes_table(all_results: dict[str, dict[str, Result]],
+                 workloads: dict[str, c.Workload],
+                 layouts: dict[str, jpack.Layout]) -> c.Table:
+  table = c.Table(["workload", "leaves", "buckets", "leaf MB", "f32 wire MB", "bf16 wire MB",
+                   "HLO reduced MB (s+g)", "HLO gathered MB (s+g)", "HLO reduced MB (bf16)",
+                   "HLO gathered MB (bf16)"],
+                  title="Bytes all-reduced per step (per device). Layout: sum of bucket "
+                        "bytes; bf16 wire halves f32 buckets. HLO: all-reduce + "
+                        "reduce-scatter input + all-to-all bytes, all-gather output bytes")
   for name, layout in layouts.items():
     leaf, native, bf16 = wire_bytes(layout)
-    res = all_results[name]
+    sg = _hlo_bytes(all_results[name], "jpack_sg")
+    bf = _hlo_bytes(all_results[name], "jpack_bf16")
+    table.add(_label(name, workloads[name]), layout.num_leaves, len(layout.buckets),
+              c.fmt_mb(leaf), c.fmt_mb(native), c.fmt_mb(bf16),
+              *(c.fmt_mb(n) if n is not None else "-" for n in (*sg, *bf)),
+              workload=name, leaves=layout.num_leaves, buckets=len(layout.buckets),
+              leaf_bytes=leaf, wire_bytes=native, bf16_wire_bytes=bf16,
+              hlo_reduced_bytes_sg=sg[0], hlo_gathered_bytes_sg=sg[1],
+              hlo_reduced_bytes_bf16=bf[0], hlo_gathered_bytes_bf16=bf[1])
+  return table
 
-    def hlo(key):
-      if key not in res:
-        return "-", "-"
-      b = res[key].colls.result_bytes
-      reduced = b["all-reduce"] + NUM_DEVICES * b["reduce-scatter"] + b["all-to-all"]
-      return c.fmt_mb(reduced), c.fmt_mb(b["all-gather"])
 
-    t2.add(_label(name, workloads[name]), layout.num_leaves, len(layout.buckets),
-           c.fmt_mb(leaf), c.fmt_mb(native), c.fmt_mb(bf16), *hlo("jpack_sg"),
-           *hlo("jpack_bf16"))
-  report.table(t2)
+def _sweep_table(sweep: list[tuple[int, str, jpack.Layout, Result]], label: str, name: str,
+                 base: dict[str, Result]) -> c.Table:
+  table = c.Table(["bucket_bytes", "method", "buckets", "run ms", "vs per-leaf", "vs floor",
+                   "C s", "HLO collectives"],
+                  title=f"Bucket-size sweep, jpack.pmean on {label} (timed back to back "
+                        "after the main table, against its baselines: compare the rows with "
+                        "each other; C = lower + compile)")
+  pl, fl = base.get("per_leaf"), base.get("floor")
+  for mib, method, layout, r in sweep:
+    vs_pl, vs_fl = c.ratio(r.run_s, pl and pl.run_s), c.ratio(r.run_s, fl and fl.run_s)
+    table.add(f"{mib} MiB", method, len(layout.buckets), c.fmt_ms(r.run_s),
+              c.fmt_ratio(vs_pl), c.fmt_ratio(vs_fl), c.fmt_s(r.compiled.total_s),
+              r.colls.short(), workload=name, bucket_bytes=mib * 2**20, method=method,
+              buckets=len(layout.buckets), run_s=r.run_s, vs_per_leaf=vs_pl, vs_floor=vs_fl,
+              lower_s=r.compiled.lower_s, compile_s=r.compiled.compile_s,
+              **c.collective_values(r.colls))
+  return table
 
-  # -- sweep -------------------------------------------------------------------------
-  if sweep:
-    sw_name = _label(sweep_name, sw)
-    base = all_results.get(sweep_name, {})
-    t3 = c.Table(["bucket_bytes", "method", "buckets", "run ms", "vs per-leaf", "vs floor",
-                  "C s", "HLO collectives"],
-                 title=f"Bucket-size sweep, jpack.pmean on {sw_name} (timed back to back after "
-                       "the main table, against its baselines: compare the rows with each "
-                       "other; C = lower + compile)")
-    for mib, method, layout, r in sweep:
-      pl, fl = base.get("per_leaf"), base.get("floor")
-      t3.add(f"{mib} MiB", method, len(layout.buckets), c.fmt_ms(r.run_s),
-             c.fmt_ratio(c.ratio(r.run_s, pl and pl.run_s)),
-             c.fmt_ratio(c.ratio(r.run_s, fl and fl.run_s)),
-             c.fmt_s(r.compiled.total_s), r.colls.short())
-    report.table(t3)
 
-  # -- goals -------------------------------------------------------------------------
+def _goals_table(all_results: dict[str, dict[str, Result]],
+                 workloads: dict[str, c.Workload], left_out: list[str]) -> c.Table:
   goals = c.Table(["goal", "workload", "variant", "value", "limit", "result"], title="Goals")
   for name, res in all_results.items():
-    label = _label(name, workloads[name])
-    for key in GOAL_VARIANTS:
-      if key not in res:
-        continue
+    fl, pl = res.get("floor"), res.get("per_leaf")
+    for key in (k for k in GOAL_VARIANTS if k in res):
       r = res[key]
-      fl, pl = res.get("floor"), res.get("per_leaf")
-      v = r.vs(fl)
-      goals.add("run <= 3x floor", label, VARIANTS[key], c.fmt_ratio(v), "3.00x",
-                c.verdict(None if v is None else v <= PMEAN_VS_FLOOR_GOAL))
-      v = r.vs(pl)
-      goals.add("run <= per-leaf", label, VARIANTS[key], c.fmt_ratio(v), "1.00x",
-                c.verdict(None if v is None else v <= 1.0))
+      checks = [("run <= 3x floor", r.vs(fl), PMEAN_VS_FLOOR_GOAL),
+                ("run <= per-leaf", r.vs(pl), 1.0)]
       if workloads[name].num_leaves >= 1000:
-        v = r.compile_vs(pl)
-        goals.add("compile <= per-leaf (>= 1000 leaves)", label, VARIANTS[key],
-                  c.fmt_ratio(v), "1.00x", c.verdict(None if v is None else v <= 1.0))
+        checks.append(("compile <= per-leaf (>= 1000 leaves)", r.compile_vs(pl), 1.0))
+      for text, v, limit in checks:
+        ok = None if v is None else v <= limit
+        goals.add(text, _label(name, workloads[name]), VARIANTS[key], c.fmt_ratio(v),
+                  c.fmt_ratio(limit), c.verdict(ok), workload=name, key=key, value=v,
+                  limit=limit, ok=ok)
   for name in left_out:
     goals.add("compile <= per-leaf (>= 1000 leaves)", name, "-", "-", "1.00x",
               "SKIP (--full)")
   if not left_out and all(w.num_leaves < 1000 for w in workloads.values()):
     goals.add("compile <= per-leaf (>= 1000 leaves)", "(none >= 1000 leaves)", "-", "-",
               "1.00x", "SKIP")
-  report.table(goals)
+  return goals
+
+
+def _notes(args: argparse.Namespace, workloads: dict[str, c.Workload],
+           left_out: list[str]) -> str:
   notes = ["Notes: inputs are (8, *shape) per leaf, sharded P('batch'); every variant returns the "
            "tree replicated (out_specs=P()), except 'x*2 local' (out_specs=P('batch')).",
            "  'jpack s+g' = method='scatter_gather' (what method='auto' picks here); 'jpack bf16 "
@@ -493,12 +524,12 @@ def main(argv: list[str] | None = None) -> int:
            "  HLO collectives: AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all ops in "
            "compiled.as_text() (per-leaf pmeans are merged by XLA into one tuple all-reduce).",
            "  Practical floor for a standalone call returning N leaves ~ floor + 'x*2 local' "
-           "(per-buffer cost; see docs/performance.md)."]
-  notes.append("  bf16 wire: XLA:CPU widens bf16 collectives to f32, so jpack sends a narrow "
-               "wire as u16 bits (all-to-all + local f32 sum, all-gather of the bf16 result); "
-               "the HLO columns show the bytes that really travel.")
+           "(per-buffer cost; see docs/performance.md).",
+           "  bf16 wire: XLA:CPU widens bf16 collectives to f32, so jpack sends a narrow "
+           "wire as u16 bits (all-to-all + local f32 sum, all-gather of the bf16 result); "
+           "the HLO columns show the bytes that really travel."]
   if left_out:
-    notes.append(f"  {', '.join(left_out)} left out of the default run (compile-bound, ~10 min); "
+    notes.append(f"  {', '.join(left_out)} left out of the default run (compile-bound); "
                  "add --full, or run --workloads " + ",".join(left_out) + ".")
   skipped = [n for n, w in workloads.items() if w.num_leaves > args.slow_leaves]
   if skipped and not args.all_variants:
@@ -506,9 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{', '.join(SLOW_VARIANTS)} run (--all-variants for all).")
   if any(w.subset for w in workloads.values()):
     notes.append("  'N lv' / 'M el' = workload subset (--max-elements / --max-leaves / --quick).")
-  report.text("\n".join(notes))
-  report.write_markdown(args.markdown)
-  return 0
+  return "\n".join(notes)
 
 
 def _label(name: str, w: c.Workload) -> str:

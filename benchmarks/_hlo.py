@@ -1,4 +1,4 @@
-"""Collective ops in compiled HLO text: what the demo and the benchmarks report.
+"""Collective ops in compiled HLO text: what the benchmarks report.
 
 Counting ops in ``compiled.as_text()`` is how we show that a step really sends a few
 bucket collectives instead of one per leaf (and how many bytes they return).

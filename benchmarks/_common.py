@@ -1,4 +1,4 @@
-"""Shared helpers for the jpack benchmarks: workloads, inputs, timing, tables.
+"""Shared helpers for the jpack benchmarks: workloads, inputs, timing, tables, results.
 
 Nothing here touches JAX's backend at import time, so an entry point can still set
 ``jax_num_cpu_devices`` after importing this module.
@@ -9,14 +9,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import datetime
 import gc
-import importlib.resources
 import json
 import math
 import os
 import pathlib
 import platform
 import re
+import shlex
 import statistics
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -24,7 +25,11 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from jpack._hlo import Collectives, count_collectives  # noqa: F401  (the benches use both)
+from benchmarks._hlo import Collectives, count_collectives  # noqa: F401  (the benches use both)
+
+BENCHMARKS_DIR = pathlib.Path(__file__).resolve().parent
+WORKLOADS_DIR = BENCHMARKS_DIR / "workloads"
+RESULTS_DIR = BENCHMARKS_DIR / "results"
 
 # -- command-line arguments -------------------------------------------------------------
 
@@ -40,7 +45,7 @@ def positive_int(text: str) -> int:
   return value
 
 
-def markdown_path(text: str) -> str:
+def output_path(text: str) -> str:
   """argparse type: a file path whose directory exists, checked before the benchmark
   runs for minutes and fails at the end."""
   path = pathlib.Path(text)
@@ -52,7 +57,7 @@ def markdown_path(text: str) -> str:
 
 
 def check_workload_names(names: list[str], flag: str, extra: tuple[str, ...] = ()) -> None:
-  """Exit with the list of choices if a name is not a packaged workload (or in ``extra``)."""
+  """Exit with the list of choices if a name is not a workload (or in ``extra``)."""
   known = set(_available()) | set(extra)
   unknown = [n for n in names if n not in known]
   if unknown:
@@ -63,23 +68,16 @@ def check_workload_names(names: list[str], flag: str, extra: tuple[str, ...] = (
 # -- workloads -------------------------------------------------------------------------
 
 
-def _workload_dir():
-  return importlib.resources.files("jpack") / "workloads"
-
-
 def workload_names() -> list[str]:
-  """Names of the packaged workloads (jpack/workloads/*.json), smallest first."""
-  names = []
-  for entry in _workload_dir().iterdir():
-    if entry.name.endswith(".json"):
-      names.append(entry.name[:-len(".json")])
+  """Names of the workloads (benchmarks/workloads/*.json), smallest first."""
+  names = _available()
   docs = {n: load_workload_doc(n) for n in names}
   return sorted(names, key=lambda n: (docs[n]["num_elements"], n))
 
 
 def load_workload_doc(name: str) -> dict:
-  """The raw JSON document of a packaged workload."""
-  path = _workload_dir() / f"{name}.json"
+  """The raw JSON document of a workload."""
+  path = WORKLOADS_DIR / f"{name}.json"
   try:
     text = path.read_text()
   except FileNotFoundError:
@@ -89,7 +87,7 @@ def load_workload_doc(name: str) -> dict:
 
 
 def _available() -> list[str]:
-  return [e.name[:-5] for e in _workload_dir().iterdir() if e.name.endswith(".json")]
+  return [p.stem for p in WORKLOADS_DIR.glob("*.json")]
 
 
 @dataclasses.dataclass
@@ -132,7 +130,7 @@ class Workload:
 
 def load_workload(name: str, *, max_leaves: int | None = None,
                   max_elements: int | None = None) -> Workload:
-  """Load a packaged workload as ``{path: jax.ShapeDtypeStruct}``.
+  """Load a workload as ``{path: jax.ShapeDtypeStruct}``.
 
   With ``max_leaves`` / ``max_elements`` a subset is kept: leaves in file order, each
   taken if it still fits both budgets (a leaf larger than the remaining element budget
@@ -278,11 +276,11 @@ def time_interleaved(calls: dict[str, tuple[Callable, tuple[Any, ...]]], *, runs
                      warmup: int = 1) -> dict[str, Timing]:
   """Median wall time of each ``f(*args)`` in ``calls``, timed in rounds of one call each.
 
-  Variants timed one after the other see different host states: the time of one large
-  CPU collective moved between 61 and 98 ms from run to run (allocator and page state),
-  which swung a ratio against it from 2.8x to 3.9x. In rounds every variant meets the
-  same drifts, so their ratios hold; the order rotates from round to round. Outputs are
-  dropped before the next call.
+  Variants timed one after the other see different host states (allocator and page
+  state move the time of one large CPU collective from run to run, and any ratio
+  against it with them). In rounds every variant meets the same drifts, so their
+  ratios hold; the order rotates from round to round. Outputs are dropped before the
+  next call.
   """
   for f, args in calls.values():
     for _ in range(warmup):
@@ -326,17 +324,26 @@ def time_python(f: Callable, *args: Any, runs: int = 20) -> Timing:
 
 
 class Table:
-  """A plain table: aligned text for the terminal, or GitHub Markdown."""
+  """A plain table: aligned text for the terminal, GitHub Markdown, or JSON rows."""
 
   def __init__(self, columns: Sequence[str], title: str = ""):
     self.columns = list(columns)
     self.title = title
     self.rows: list[list[str]] = []
+    self.values: list[dict[str, Any]] = []
 
-  def add(self, *cells: Any) -> None:
+  def add(self, *cells: Any, **values: Any) -> None:
+    """Add a row: one formatted cell per column, and the unrounded numbers behind them
+    (seconds, bytes, ratios) as ``values``, which only the JSON results carry."""
     if len(cells) != len(self.columns):
       raise ValueError(f"row has {len(cells)} cells, table has {len(self.columns)} columns")
     self.rows.append(["" if c is None else str(c) for c in cells])
+    self.values.append(values)
+
+  def json(self) -> dict[str, Any]:
+    rows = [{"cells": dict(zip(self.columns, cells)), "values": values}
+            for cells, values in zip(self.rows, self.values)]
+    return {"title": self.title, "columns": self.columns, "rows": rows}
 
   def _right(self, col: int) -> bool:
     """Right-align columns whose cells all look numeric."""
@@ -373,11 +380,30 @@ def _looks_numeric(cell: str) -> bool:
   return bool(_NUM_RE.match(cell.strip()))
 
 
-class Report:
-  """Collects tables and text blocks; prints them, or writes them as Markdown."""
+def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
+  """``--json PATH`` (default ``benchmarks/results/<name>.json``) and ``--markdown FILE``."""
+  parser.add_argument("--json", metavar="PATH", type=output_path,
+                      default=str(RESULTS_DIR / f"{name}.json"),
+                      help="write the tables, the machine and the command line as JSON "
+                           "(default: %(default)s)")
+  parser.add_argument("--markdown", metavar="FILE", type=output_path,
+                      help="also write the tables as Markdown")
 
-  def __init__(self, title: str):
+
+class Report:
+  """Collects tables and text blocks; prints them, writes them as Markdown or JSON.
+
+  Args:
+    title: the report's heading.
+    name: the benchmark, as ``python -m benchmarks <name>`` runs it.
+    argv: its command-line arguments, recorded with the results.
+  """
+
+  def __init__(self, title: str, name: str, argv: Sequence[str]):
     self.title = title
+    self.name = name
+    self.command = shlex.join(["python", "-m", "benchmarks", name, *argv])
+    self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     self.parts: list[Any] = []
 
   def table(self, table: Table) -> None:
@@ -403,6 +429,40 @@ class Report:
     with open(path, "w") as f:
       f.write(self.markdown())
     print(f"\nWrote {path}", flush=True)
+
+  def json(self) -> dict[str, Any]:
+    return {"benchmark": self.name, "title": self.title, "command": self.command,
+            "started": self.started, "machine": machine_info(),
+            "tables": [p.json() for p in self.parts if isinstance(p, Table)],
+            "notes": [p for p in self.parts if not isinstance(p, Table)]}
+
+  def write_json(self, path: str | None) -> None:
+    if not path:
+      return
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(_finite(self.json()), f, indent=1)
+      f.write("\n")
+    print(f"\nWrote {path}", flush=True)
+
+  def write(self, args: argparse.Namespace) -> None:
+    """Write the files `add_output_args` asked for."""
+    self.write_markdown(args.markdown)
+    self.write_json(args.json)
+
+
+def _finite(x: Any) -> Any:
+  """``x`` with NaN and infinities as None (JSON has no such numbers) and numpy scalars
+  as Python numbers."""
+  if isinstance(x, dict):
+    return {str(k): _finite(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_finite(v) for v in x]
+  if isinstance(x, np.generic):
+    x = x.item()
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
 
 
 # -- formatting ------------------------------------------------------------------------
@@ -445,6 +505,12 @@ def fmt_mb(n: float) -> str:
   return f"{n / 1e6:.3g}" if n < 1e8 else f"{n / 1e6:.0f}"
 
 
+def collective_values(colls: Collectives) -> dict[str, Any]:
+  """A row's JSON values for the collectives in a compiled program."""
+  return {"collectives": colls.count, "collective_bytes": colls.result_bytes,
+          "collective_arrays": colls.arrays}
+
+
 def verdict(ok: bool | None) -> str:
   return "SKIP" if ok is None else ("PASS" if ok else "MISS")
 
@@ -452,8 +518,8 @@ def verdict(ok: bool | None) -> str:
 # -- machine ---------------------------------------------------------------------------
 
 
-def machine() -> str:
-  """CPU model, cores, jax/jaxlib versions and devices, on one line."""
+def machine_info() -> dict[str, Any]:
+  """CPU model and cores, library versions, and the devices JAX runs on."""
   cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
@@ -463,16 +529,24 @@ def machine() -> str:
           break
   except OSError:
     pass
-  cores = os.cpu_count()
-  try:
-    import jaxlib
-    jaxlib_version = jaxlib.__version__
-  except Exception:  # pragma: no cover
-    jaxlib_version = "?"
+  import jaxlib
+  import optax
+
+  import jpack
+
   devices = jax.devices()
-  kinds = sorted({d.platform for d in devices})
-  return (f"{cpu}, {cores} cores, jax {jax.__version__} (jaxlib {jaxlib_version}), "
-          f"{len(devices)} {'/'.join(kinds)} device(s), python {platform.python_version()}")
+  return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
+          "jpack": jpack.__version__, "platform": devices[0].platform,
+          "device_kind": devices[0].device_kind, "device_count": len(devices)}
+
+
+def machine() -> str:
+  """`machine_info` on one line."""
+  m = machine_info()
+  return (f"{m['cpu']}, {m['cores']} cores, jax {m['jax']} (jaxlib {m['jaxlib']}), "
+          f"optax {m['optax']}, {m['device_count']} {m['platform']} device(s) "
+          f"({m['device_kind']}), python {m['python']}")
 
 
 def release_host_memory() -> None:
@@ -480,10 +554,9 @@ def release_host_memory() -> None:
 
   XLA:CPU device buffers are malloc'ed. Once a few large buffers have been freed, glibc
   serves buffers of several MiB from its heap, and what is freed there stays in the
-  process: the step benchmark of MLP 24x1024 alone peaked at 22.2 GB of RSS (17.0 GB
-  with large blocks kept out of the heap), and the default two-model run was killed on
-  a 24 GiB machine. ``malloc_trim`` hands the free pages back; it is called outside
-  the timed regions, so the allocation policy the steps see is unchanged.
+  process, so a run over several big models can exhaust the host's memory.
+  ``malloc_trim`` hands the free pages back; it is called outside the timed regions, so
+  the allocation policy the steps see is unchanged.
   """
   gc.collect()
   try:
@@ -501,8 +574,8 @@ def require_devices(n: int) -> None:
   if jax.device_count() < n:
     raise SystemExit(
         f"Need {n} devices, have {jax.device_count()}: JAX's backend was initialized before "
-        f"jax_num_cpu_devices could be set. Run `python -m jpack.bench collectives` in a "
-        f"fresh process.")
+        f"jax_num_cpu_devices could be set. Run the benchmark in a fresh process "
+        f"(python -m benchmarks <name>).")
 
 
 def banner(title: str, lines: Iterable[str] = ()) -> str:

@@ -1,4 +1,4 @@
-"""pack / unpack performance on the packaged workloads (one device).
+"""pack / unpack performance on the workloads in benchmarks/workloads (one device).
 
 Measures, in one run and per workload:
   (a) ``x * 2`` over a single array holding the same bytes as the tree,
@@ -12,16 +12,17 @@ plus ``jpack.plan`` (pure Python). Every function is compiled ahead of time
 (``jax.jit(f).lower(...).compile()``, lowering and compilation timed separately) and timed
 on its own with materialized outputs: XLA cancels ``unpack(pack(x))`` inside one jit.
 
-    python -m jpack.bench pack                       # everything (unpack of 4000 leaves: ~30 s compile)
-    python -m jpack.bench pack --skip-slow           # skip unpack/unravel above 1000 leaves
-    python -m jpack.bench pack --quick               # subsets of <= 300 leaves (~2 min)
-    python -m jpack.bench pack --workloads resnet50,many_small_4000 --markdown pack.md
+    python -m benchmarks pack                       # everything (4000-leaf unpack compiles slowly)
+    python -m benchmarks pack --skip-slow           # skip unpack/unravel above 1000 leaves
+    python -m benchmarks pack --quick               # subsets of <= 300 leaves
+    python -m benchmarks pack --workloads resnet50,many_small_4000 --markdown pack.md
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from typing import Any, Callable
 
@@ -30,9 +31,9 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 import jpack
-from jpack.bench import _common as c
+from benchmarks import _common as c
 
-# Goals from the issue.
+# Targets: pack and unpack should cost about what copying the tree costs.
 RUN_GOAL = 1.5            # pack / unpack run time <= 1.5x max(single x*2, per-leaf x*2)
 COMPILE_ABS_GOAL_S = 5.0  # compile of pack / unpack < 5 s for many_small_4000
 PLAN_GOAL_S = 0.020       # plan <= 20 ms for 4000 leaves
@@ -175,29 +176,35 @@ def bench_workload(w: c.Workload, *, runs: int,
   return results, layout
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jpack.bench pack", description=__doc__,
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks pack", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workloads", default="",
-                      help="comma-separated workload names (default: all packaged ones)")
+                      help="comma-separated workload names (default: all of them)")
   parser.add_argument("--quick", action="store_true",
                       help=f"subset every workload to <= {QUICK_MAX_LEAVES} leaves and "
                            f"{QUICK_MAX_ELEMENTS / 1e6:g} M elements, {QUICK_RUNS} runs")
-  parser.add_argument("--runs", type=c.positive_int, default=None, help="timed runs per op (median; default 7)")
-  parser.add_argument("--max-leaves", type=c.positive_int, default=None, help="keep at most this many leaves")
+  parser.add_argument("--runs", type=c.positive_int, default=None,
+                      help="timed runs per op (median; default 7)")
+  parser.add_argument("--max-leaves", type=c.positive_int, default=None,
+                      help="keep at most this many leaves")
   parser.add_argument("--max-elements", type=c.positive_int, default=None,
                       help="keep at most this many elements per workload")
   parser.add_argument("--skip-slow", action="store_true",
                       help="skip unpack and unravel (one XLA:CPU kernel per output slice: "
-                           "~30 s compile at 4000 leaves) for workloads with more than "
-                           "--slow-leaves leaves")
+                           "slow to compile) for workloads with more than --slow-leaves "
+                           "leaves")
   parser.add_argument("--slow-leaves", type=c.positive_int, default=1000,
                       help="leaf count above which --skip-slow applies (default 1000)")
-  parser.add_argument("--plan-runs", type=c.positive_int, default=20, help="runs of jpack.plan (median)")
-  parser.add_argument("--markdown", metavar="FILE", type=c.markdown_path,
-                      help="also write the tables as Markdown")
-  args = parser.parse_args(argv)
+  parser.add_argument("--plan-runs", type=c.positive_int, default=20,
+                      help="runs of jpack.plan (median)")
+  c.add_output_args(parser, "pack")
+  return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = _parser().parse_args(argv)
   max_leaves = args.max_leaves if args.max_leaves is not None else (
       QUICK_MAX_LEAVES if args.quick else None)
   max_elements = args.max_elements if args.max_elements is not None else (
@@ -206,16 +213,13 @@ def main(argv: list[str] | None = None) -> int:
   names = [n for n in args.workloads.split(",") if n] or c.workload_names()
   c.check_workload_names(names, "--workloads")
 
-  report = c.Report("jpack pack / unpack benchmark")
-  c.banner("jpack.bench pack", [
+  report = c.Report("jpack pack / unpack benchmark", "pack", argv)
+  c.banner("benchmarks.pack", [
       f"workloads: {', '.join(names)}; runs {runs} (median, after 1 warm-up); "
       f"max_leaves {max_leaves}, max_elements {max_elements}"
       f"{'; --skip-slow above ' + str(args.slow_leaves) + ' leaves' if args.skip_slow else ''}"])
 
-  all_results = {}
-  layouts = {}
-  workloads = {}
-  plan_times = {}
+  all_results, layouts, workloads, plan_times = {}, {}, {}, {}
   for name in names:
     # plan is pure Python and cheap: always time it on the full tree.
     full = c.load_workload(name)
@@ -229,95 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'jpack.plan (full tree)':<22} {1e3 * plan_times[name].median_s:.2f} ms "
           f"({full.num_leaves} leaves)", flush=True)
 
-  # -- table 1: every op ------------------------------------------------------------
-  t1 = c.Table(["workload", "op", "output", "run ms", "lower s", "compile s",
-                "run/max(a,b)", "compile/per-leaf"],
-               title="Run time (median) and compile time per op; compile/per-leaf compares "
-                     "lower + compile")
-  for name, res in all_results.items():
-    label, base_run = _label(name, workloads[name]), _base_run(res)
-    base_compile = res["per_leaf"].compile_total_s
-    for key in ("single", "per_leaf", "pack", "unpack", "unpack_shared", "ravel", "unravel"):
-      r = res[key]
-      op = {"single": "(a) x*2 single", "per_leaf": "(b) x*2 per-leaf",
-            "pack": "(c) jpack.pack", "unpack": "(d) jpack.unpack",
-            "unpack_shared": "(d) unpack, share_kernels",
-            "ravel": "(e) ravel_pytree", "unravel": "(e) unravel"}[key]
-      if r.skipped:
-        t1.add(label, op, r.output, "skipped", "-", "-", "-", "-")
-        continue
-      t1.add(label, op, r.output, c.fmt_ms(r.run_s), c.fmt_s(r.compiled.lower_s),
-             c.fmt_s(r.compiled.compile_s), c.fmt_ratio(c.ratio(r.run_s, base_run)),
-             c.fmt_ratio(c.ratio(r.compile_total_s, base_compile)))
-  report.table(t1)
-
-  t_eager = c.Table(["workload", "op", "first call s", "later calls ms",
-                     "first/per-leaf first", "later/max(a,b)"],
-                    title="Called outside jit (f): first call, compile included, and later "
-                          "calls; per-leaf first = (b)'s lower + compile + run")
-  for name, res in all_results.items():
-    label, base_run = _label(name, workloads[name]), _base_run(res)
-    per_leaf_first = res["per_leaf"].compile_total_s + res["per_leaf"].run_s
-    for key in ("eager_pack", "eager_unpack"):
-      e = res[key]
-      t_eager.add(label, f"(f) {e.op}", f"{e.first_s:.2f}", c.fmt_ms(e.later.median_s),
-                  c.fmt_ratio(c.ratio(e.first_s, per_leaf_first)),
-                  c.fmt_ratio(c.ratio(e.later.median_s, base_run)))
-  report.table(t_eager)
-
-  # -- table 2: ratios ----------------------------------------------------------------
-  t2 = c.Table(["workload", "leaves", "MiB", "buckets", "plan ms", "pack/max(a,b)",
-                "unpack/max(a,b)", "C(pack)/C(leaf)", "C(unpack)/C(leaf)",
-                "C(unpack sk)/C(leaf)", "ravel/max(a,b)", "unravel/max(a,b)"],
-               title="Ratios (run: vs max of (a) single-array and (b) per-leaf x*2; "
-                     "C = lower+compile time, vs (b); sk = share_kernels); plan on the "
-                     "full tree")
-  goals = c.Table(["goal", "workload", "value", "limit", "result"], title="Goals")
-  for name, res in all_results.items():
-    w = workloads[name]
-    layout = layouts[name]
-    base_run = _base_run(res)
-    base_c = res["per_leaf"].compile_total_s
-    r_pack = c.ratio(res["pack"].run_s, base_run)
-    r_unpack = c.ratio(res["unpack"].run_s, base_run)
-    c_pack = c.ratio(res["pack"].compile_total_s, base_c)
-    c_unpack = c.ratio(res["unpack"].compile_total_s, base_c)
-    r_shared = c.ratio(res["unpack_shared"].run_s, base_run)
-    c_shared = c.ratio(res["unpack_shared"].compile_total_s, base_c)
-    label = _label(name, w)
-    t2.add(label, w.num_leaves, f"{w.nbytes / 2**20:.1f}", len(layout.buckets),
-           f"{1e3 * plan_times[name].median_s:.2f}", c.fmt_ratio(r_pack), c.fmt_ratio(r_unpack),
-           c.fmt_ratio(c_pack), c.fmt_ratio(c_unpack), c.fmt_ratio(c_shared),
-           c.fmt_ratio(c.ratio(res["ravel"].run_s, base_run)),
-           c.fmt_ratio(c.ratio(res["unravel"].run_s, base_run)))
-
-    def goal(text, value, limit, ok, fmt=c.fmt_ratio):
-      goals.add(text, label, fmt(value) if value is not None else "-", limit,
-                c.verdict(None if value is None else ok))
-
-    goal("pack run <= 1.5x max(a,b)", r_pack, "1.50x", r_pack is not None and r_pack <= RUN_GOAL)
-    goal("unpack run <= 1.5x max(a,b)", r_unpack, "1.50x",
-         r_unpack is not None and r_unpack <= RUN_GOAL)
-    goal("compile(pack) <= compile(per-leaf)", c_pack, "1.00x", c_pack is not None and c_pack <= 1)
-    goal("compile(unpack) <= compile(per-leaf)", c_unpack, "1.00x",
-         c_unpack is not None and c_unpack <= 1)
-    goal("unpack(share_kernels) run <= 1.5x", r_shared, "1.50x",
-         r_shared is not None and r_shared <= RUN_GOAL)
-    goal("compile(unpack(share_kernels)) <= per-leaf", c_shared, "1.00x",
-         c_shared is not None and c_shared <= 1)
-    if name == "many_small_4000":
-      for key, op in (("pack", "pack"), ("unpack", "unpack"),
-                      ("unpack_shared", "unpack(share_kernels)")):
-        v = res[key].compile_total_s
-        goal(f"compile({op}) < 5 s", v, "5 s", v is not None and v < COMPILE_ABS_GOAL_S,
-             fmt=lambda s: f"{s:.1f} s")
-  for name in all_results:
-    full_leaves = workloads[name].full_leaves
-    if full_leaves >= MANY_LEAVES:
-      v = plan_times[name].median_s
-      goals.add(f"plan <= 20 ms ({full_leaves} leaves)", name, f"{1e3 * v:.2f} ms", "20 ms",
-                c.verdict(v <= PLAN_GOAL_S))
-  report.table(t2)
+  report.table(_ops_table(all_results, workloads))
+  report.table(_eager_table(all_results, workloads))
+  ratios, goals = _ratio_tables(all_results, workloads, layouts, plan_times)
+  report.table(ratios)
   report.table(goals)
   notes = [
       "Notes: (a) is x*2 over one f32 array with the tree's bytes; (b) per-leaf x*2 returns the tree.",
@@ -328,8 +247,108 @@ def main(argv: list[str] | None = None) -> int:
     notes.append("  'N lv' = workload subset to N leaves (--quick / --max-leaves / --max-elements); "
                  "goals on subsets are indicative only.")
   report.text("\n".join(notes))
-  report.write_markdown(args.markdown)
+  report.write(args)
   return 0
+
+
+OPS = {"single": "(a) x*2 single", "per_leaf": "(b) x*2 per-leaf", "pack": "(c) jpack.pack",
+       "unpack": "(d) jpack.unpack", "unpack_shared": "(d) unpack, share_kernels",
+       "ravel": "(e) ravel_pytree", "unravel": "(e) unravel"}
+
+
+def _ops_table(all_results: dict[str, dict[str, Any]],
+               workloads: dict[str, c.Workload]) -> c.Table:
+  table = c.Table(["workload", "op", "output", "run ms", "lower s", "compile s",
+                   "run/max(a,b)", "compile/per-leaf"],
+                  title="Run time (median) and compile time per op; compile/per-leaf "
+                        "compares lower + compile")
+  for name, res in all_results.items():
+    label, base_run = _label(name, workloads[name]), _base_run(res)
+    base_compile = res["per_leaf"].compile_total_s
+    for key, op in OPS.items():
+      r = res[key]
+      if r.skipped:
+        table.add(label, op, r.output, "skipped", "-", "-", "-", "-", workload=name, key=key,
+                  skipped=r.skipped)
+        continue
+      run_vs, compile_vs = (c.ratio(r.run_s, base_run),
+                            c.ratio(r.compile_total_s, base_compile))
+      table.add(label, op, r.output, c.fmt_ms(r.run_s), c.fmt_s(r.compiled.lower_s),
+                c.fmt_s(r.compiled.compile_s), c.fmt_ratio(run_vs), c.fmt_ratio(compile_vs),
+                workload=name, key=key, run_s=r.run_s, run_min_s=r.timing.min_s,
+                lower_s=r.compiled.lower_s, compile_s=r.compiled.compile_s,
+                run_vs_max_ab=run_vs, compile_vs_per_leaf=compile_vs)
+  return table
+
+
+def _eager_table(all_results: dict[str, dict[str, Any]],
+                 workloads: dict[str, c.Workload]) -> c.Table:
+  table = c.Table(["workload", "op", "first call s", "later calls ms",
+                   "first/per-leaf first", "later/max(a,b)"],
+                  title="Called outside jit (f): first call, compile included, and later "
+                        "calls; per-leaf first = (b)'s lower + compile + run")
+  for name, res in all_results.items():
+    label, base_run = _label(name, workloads[name]), _base_run(res)
+    per_leaf_first = res["per_leaf"].compile_total_s + res["per_leaf"].run_s
+    for key in ("eager_pack", "eager_unpack"):
+      e = res[key]
+      first_vs, later_vs = (c.ratio(e.first_s, per_leaf_first),
+                            c.ratio(e.later.median_s, base_run))
+      table.add(label, f"(f) {e.op}", f"{e.first_s:.2f}", c.fmt_ms(e.later.median_s),
+                c.fmt_ratio(first_vs), c.fmt_ratio(later_vs), workload=name, key=key,
+                first_s=e.first_s, later_s=e.later.median_s,
+                first_vs_per_leaf_first=first_vs, later_vs_max_ab=later_vs)
+  return table
+
+
+def _ratio_tables(all_results: dict[str, dict[str, Any]], workloads: dict[str, c.Workload],
+                  layouts: dict[str, jpack.Layout], plan_times: dict[str, c.Timing]
+                  ) -> tuple[c.Table, c.Table]:
+  """The ratios of every workload, and the targets they are held to."""
+  ratios = c.Table(["workload", "leaves", "MiB", "buckets", "plan ms", "pack/max(a,b)",
+                    "unpack/max(a,b)", "C(pack)/C(leaf)", "C(unpack)/C(leaf)",
+                    "C(unpack sk)/C(leaf)", "ravel/max(a,b)", "unravel/max(a,b)"],
+                   title="Ratios (run: vs max of (a) single-array and (b) per-leaf x*2; "
+                         "C = lower+compile time, vs (b); sk = share_kernels); plan on the "
+                         "full tree")
+  goals = c.Table(["goal", "workload", "value", "limit", "result"], title="Goals")
+  for name, res in all_results.items():
+    w, layout = workloads[name], layouts[name]
+    base_run, base_c = _base_run(res), res["per_leaf"].compile_total_s
+    run = {k: c.ratio(res[k].run_s, base_run)
+           for k in ("pack", "unpack", "unpack_shared", "ravel", "unravel")}
+    comp = {k: c.ratio(res[k].compile_total_s, base_c)
+            for k in ("pack", "unpack", "unpack_shared")}
+    label = _label(name, w)
+    ratios.add(label, w.num_leaves, f"{w.nbytes / 2**20:.1f}", len(layout.buckets),
+               f"{1e3 * plan_times[name].median_s:.2f}", c.fmt_ratio(run["pack"]),
+               c.fmt_ratio(run["unpack"]), c.fmt_ratio(comp["pack"]),
+               c.fmt_ratio(comp["unpack"]), c.fmt_ratio(comp["unpack_shared"]),
+               c.fmt_ratio(run["ravel"]), c.fmt_ratio(run["unravel"]),
+               workload=name, leaves=w.num_leaves, bytes=w.nbytes,
+               buckets=len(layout.buckets), plan_s=plan_times[name].median_s,
+               run_vs_max_ab=run, compile_vs_per_leaf=comp)
+
+    def goal(text, value, limit, bound, fmt=c.fmt_ratio):
+      ok = None if value is None else value <= bound
+      goals.add(text, label, "-" if value is None else fmt(value), limit, c.verdict(ok),
+                workload=name, value=value, limit=bound, ok=ok)
+
+    goal("pack run <= 1.5x max(a,b)", run["pack"], "1.50x", RUN_GOAL)
+    goal("unpack run <= 1.5x max(a,b)", run["unpack"], "1.50x", RUN_GOAL)
+    goal("compile(pack) <= compile(per-leaf)", comp["pack"], "1.00x", 1.0)
+    goal("compile(unpack) <= compile(per-leaf)", comp["unpack"], "1.00x", 1.0)
+    goal("unpack(share_kernels) run <= 1.5x", run["unpack_shared"], "1.50x", RUN_GOAL)
+    goal("compile(unpack(share_kernels)) <= per-leaf", comp["unpack_shared"], "1.00x", 1.0)
+    if name == "many_small_4000":
+      for key, op in (("pack", "pack"), ("unpack", "unpack"),
+                      ("unpack_shared", "unpack(share_kernels)")):
+        goal(f"compile({op}) < 5 s", res[key].compile_total_s, "5 s", COMPILE_ABS_GOAL_S,
+             fmt=lambda s: f"{s:.1f} s")
+    if w.full_leaves >= MANY_LEAVES:
+      goal(f"plan <= 20 ms ({w.full_leaves} leaves)", plan_times[name].median_s, "20 ms",
+           PLAN_GOAL_S, fmt=lambda s: f"{1e3 * s:.2f} ms")
+  return ratios, goals
 
 
 if __name__ == "__main__":

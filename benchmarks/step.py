@@ -1,0 +1,600 @@
+"""A whole data-parallel adam step on 8 forced CPU devices: jpack against plain steps.
+
+Every variant trains the same model from the same parameters on the same batch, in a
+shard_map over ``("batch",)`` with the inputs placed by ``NamedSharding`` and the state
+donated. The baselines are plain shard_map steps, written here without jpack:
+
+  per-leaf      per-leaf ``lax.pmean`` of the gradients + optax.adam (the baseline)
+  ravel         ``ravel_pytree`` + one pmean + unravel, optax.adam
+  optax.flatten per-leaf pmean + ``optax.flatten(optax.adam)``
+  hand ZeRO-1   ZeRO-1 with plain jax + optax: <= 4 MiB f32 buckets, a custom-VJP
+                unpack, psum_scatter / all_gather per bucket
+
+The jpack variants:
+
+  allreduce     ``jpack.data_parallel(mode="allreduce")``: params a tree, gradients
+                packed into buckets, one collective per bucket, unpacked
+  optax.chain   ``optax.chain(jpack.optax.allreduce(AXIS), optax.adam)`` in a plain
+                shard_map step (not on big models)
+  packed        ``mode="packed"``: persistent packed params; the loss unpacks them,
+                gradients arrive packed, adam updates the buckets (no per-step pack)
+  packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
+  sharded       ``mode="sharded"``: ZeRO-1, ``jpack.optax.sharded(adam)`` on packed params
+
+And bounds, which are not adam steps:
+
+  grads only    loss + gradients, no collective, no update. Every step does at least
+                this: it is the floor of the step time
+  packed grads  the same with persistent packed params (the loss unpacks them, gradients
+    only        come out packed): its distance from grads only is what pack + unpack cost
+  ZeRO-1 sgd    ``mode="sharded"`` with plain SGD: the collectives every ZeRO-1 step
+                pays, almost no update, so it bounds what ZeRO-1 with any optimizer reaches
+
+Reported per variant: compile time (lower + compile of the step); median step time over
+several timed blocks of steps (variants interleaved, block by block); speed-up over
+per-leaf; "gap closed", the share of per-leaf's time above the grads-only floor that the
+variant removes, (t_per_leaf - t_variant) / (t_per_leaf - t_grads_only), all from the same
+run; the collectives in the compiled step (AR all-reduce, RS reduce-scatter, AG
+all-gather, A2A all-to-all) and their bytes; optimizer-state bytes per device; and the
+largest parameter difference from the per-leaf variant after the same steps (a sanity
+check: every adam variant is the same optimizer).
+
+    python -m benchmarks step                  # mlp_40x256 and mlp_24x1024
+    python -m benchmarks step --quick          # mlp_40x256 only, fewer steps
+    python -m benchmarks step --models mlp_400x32 --markdown step.md
+    python -m benchmarks step --models resnet50   # ResNet-50 shapes, no compute to hide copies
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jpack
+from benchmarks import _common as c
+
+NUM_DEVICES = 8
+AXIS = "batch"
+PER_DEVICE_BATCH = 16
+LEARNING_RATE = 1e-3
+
+# Targets: step-time speed-up over the per-leaf step, same run. mlp_24x1024 has about
+# ResNet-50's parameter count (25.2 M).
+GOALS = {("mlp_40x256", "allreduce"): 1.0, ("mlp_40x256", "optax_chain"): 1.0,
+         ("mlp_40x256", "packed"): 1.0,
+         ("mlp_40x256", "sharded"): 2.5, ("mlp_24x1024", "allreduce"): 1.0,
+         ("mlp_24x1024", "packed"): 1.0, ("mlp_24x1024", "sharded"): 1.5}
+
+VARIANTS = {
+    "per_leaf": "per-leaf pmean",
+    "ravel": "ravel_pytree",
+    "flatten": "optax.flatten",
+    "allreduce": "jpack allreduce",
+    "optax_chain": "optax.chain(jpack.optax.allreduce, adam)",
+    "packed": "jpack packed",
+    "packed_bf16": "jpack packed bf16",
+    "sharded": "jpack sharded",
+    "hand_zero1": "hand-written ZeRO-1",
+    "grad_only": "bound: grads only",
+    "packed_grad_only": "bound: packed grads only",
+    "sharded_sgd": "bound: ZeRO-1 with sgd",
+}
+# The jpack.data_parallel variants: key -> (mode, comm_dtype, optimizer).
+DATA_PARALLEL = {
+    "allreduce": ("allreduce", None, optax.adam),
+    "packed": ("packed", None, optax.adam),
+    "packed_bf16": ("packed", jnp.bfloat16, optax.adam),
+    "sharded": ("sharded", None, optax.adam),
+    "sharded_sgd": ("sharded", None, optax.sgd),
+}
+# Variants that are not adam, or not a step: no parameter comparison with per-leaf.
+NOT_COMPARABLE = ("per_leaf", "grad_only", "packed_grad_only", "sharded_sgd")
+FLOOR = "grad_only"
+
+
+# -- models ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Model:
+  name: str
+  describe: str
+  params: Any                       # numpy tree (host), initial parameters
+  loss: Callable[[Any, Any], jax.Array]
+  batch: Callable[[int], Any]       # global batch size -> numpy batch
+
+  @property
+  def num_leaves(self) -> int:
+    return len(jax.tree.leaves(self.params))
+
+  @property
+  def num_params(self) -> int:
+    return sum(np.size(x) for x in jax.tree.leaves(self.params))
+
+
+def mlp(depth: int, width: int, seed: int = 0) -> Model:
+  """``depth`` layers of ``tanh((h @ w + b) * scale + shift)``: 4 leaves per layer."""
+  rng = np.random.default_rng(seed)
+  layers = [{"w": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+             "b": np.zeros(width, np.float32), "scale": np.ones(width, np.float32),
+             "shift": np.zeros(width, np.float32)} for _ in range(depth)]
+
+  def loss(params, batch):
+    x, y = batch
+    h = x
+    for layer in params["layers"]:
+      h = jnp.tanh((h @ layer["w"] + layer["b"]) * layer["scale"] + layer["shift"])
+    return jnp.mean((h - y) ** 2)
+
+  def batch(n):
+    r = np.random.default_rng(seed + 1)
+    return (r.standard_normal((n, width)).astype(np.float32),
+            r.standard_normal((n, width)).astype(np.float32))
+
+  return Model(f"mlp_{depth}x{width}", f"MLP {depth}x{width}", {"layers": layers}, loss, batch)
+
+
+def shape_table(name: str, seed: int = 0) -> Model:
+  """A workload's parameter table with a cheap per-leaf quadratic loss.
+
+  The loss touches every parameter once (``mean((p - c)^2)`` per leaf, ``c`` from the
+  batch), so the step is dominated by what jpack changes: gradient communication and the
+  optimizer update over the real leaf sizes.
+  """
+  w = c.load_workload(name)
+  rng = np.random.default_rng(seed)
+  params = {k: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype)
+            for k, s in w.shapes.items()}
+
+  def loss(params, batch):
+    target = jnp.mean(batch)
+    return sum(jnp.mean((p.astype(jnp.float32) - target) ** 2) for p in jax.tree.leaves(params))
+
+  def batch(n):
+    return np.random.default_rng(seed + 1).standard_normal((n, 4)).astype(np.float32)
+
+  return Model(name, f"{name} shapes, quadratic loss", params, loss, batch)
+
+
+MODELS = {
+    "mlp_40x256": lambda: mlp(40, 256),
+    "resnet50": lambda: shape_table("resnet50"),
+    "mlp_24x1024": lambda: mlp(24, 1024),
+    "mlp_400x32": lambda: mlp(400, 32),
+    "mlp_4x32": lambda: mlp(4, 32),  # a smoke test of the benchmark itself
+}
+DEFAULT_MODELS = ("mlp_40x256", "mlp_24x1024")
+# Every variant keeps its state alive while they are timed round-robin: on big models
+# only these run by default (ResNet-50 holds gigabytes of replicated state per variant).
+BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "allreduce", "packed", "sharded", "hand_zero1",
+                      "grad_only", "packed_grad_only")
+BIG_MODEL_PARAMS = 10_000_000
+
+
+# -- the steps -------------------------------------------------------------------------
+
+
+class State(NamedTuple):
+  """What the steps written here carry from one step to the next."""
+  params: Any     # a tree, or buckets
+  opt_state: Any  # the optimizer state (per-device slices for ZeRO-1)
+
+
+class Step(NamedTuple):
+  """A variant's functions, the three that `jpack.DataParallel` also has."""
+  init: Callable[[Any], Any]                    # host params -> placed state
+  step: Callable[[Any, Any], tuple[Any, dict]]  # (state, batch) -> (new state, metrics)
+  params: Callable[[Any], Any]                  # state -> params as the original tree
+
+
+def _per_device(tree: Any) -> Any:
+  """This device's copy of replicated values: differentiating w.r.t. it keeps the
+  gradients local, where shard_map's autodiff would psum each leaf's gradient itself."""
+  return jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), tree)
+
+
+def _per_leaf_pmean(grads: Any, params: Any = None) -> Any:
+  del params
+  return jax.tree.map(lambda g: jax.lax.pmean(g, AXIS), grads)
+
+
+def _ravel_pmean(grads: Any, params: Any = None) -> Any:
+  del params
+  flat, unravel = ravel_pytree(grads)
+  return unravel(jax.lax.pmean(flat, AXIS))
+
+
+def _record_norm() -> optax.GradientTransformation:
+  """Keeps the global norm of the updates it sees as its state: like every
+  `jpack.data_parallel` step, the plain steps report the reduced gradients' norm."""
+  return optax.GradientTransformation(
+      lambda params: jnp.zeros((), jnp.float32),
+      lambda updates, state, params=None: (updates, optax.tree.norm(updates)))
+
+
+def _plain_step(model: Model, mesh, reduce: optax.GradientTransformation,
+                optimizer: optax.GradientTransformation) -> Step:
+  """A data-parallel step as written without `jpack.data_parallel`: a shard_map step on
+  replicated params whose optimizer is ``optax.chain(reduce, <record the norm>,
+  optimizer)``, ``reduce`` averaging the per-device gradients over the axis."""
+  tx = optax.chain(reduce, _record_norm(), optimizer)
+
+  def local_step(state, batch):
+    loss, grads = jax.value_and_grad(model.loss)(_per_device(state.params), batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return (State(optax.apply_updates(state.params, updates), opt_state),
+            {"loss": jax.lax.pmean(loss, AXIS), "grad_norm": opt_state[1]})
+
+  init = jax.jit(jax.shard_map(lambda p: State(p, tx.init(p)), mesh=mesh, in_specs=P(),
+                               out_specs=P()))
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(AXIS)),
+                               out_specs=(P(), P())), donate_argnums=0)
+  replicated = NamedSharding(mesh, P())
+  return Step(lambda params: init(jax.device_put(params, replicated)), step,
+              lambda state: state.params)
+
+
+def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Step:
+  """The compute every data-parallel step shares: per-device loss and gradients (with a
+  ``layout``: of params kept packed, the loss unpacking them)."""
+  loss_fn = model.loss if layout is None else lambda p, b: model.loss(jpack.unpack(p), b)
+
+  def local_step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(_per_device(state.params), batch)
+    # Gradients are outputs (per device), so XLA cannot drop their computation.
+    return state, {"loss": jax.lax.pmean(loss, AXIS),
+                   "grads": jax.tree.map(lambda g: g[None], grads)}
+
+  # Donated like every real step's state: returned unchanged, it is then aliased, not
+  # copied (a copy of the replicated params would be a sizeable part of this step).
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(AXIS)),
+                               out_specs=(P(), {"loss": P(), "grads": P(AXIS)})),
+                 donate_argnums=0)
+  replicated = NamedSharding(mesh, P())
+  prepare = (lambda params: params) if layout is None else (
+      lambda params: jpack.pack(params, layout))
+  to_tree = (lambda state: state.params) if layout is None else (
+      lambda state: jpack.unpack(state.params))
+  return Step(lambda params: State(jax.device_put(prepare(params), replicated), ()), step,
+              to_tree)
+
+
+def _buckets_of(params: Any, n: int, bucket_bytes: int) -> tuple[list[list[int]], list[int]]:
+  """The hand-written ZeRO-1's buckets: leaf indices filled from the last leaf, <=
+  ``bucket_bytes`` of f32 each, and each bucket's length padded to a multiple of ``n``."""
+  sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
+  groups, current, nbytes = [], [], 0
+  for i in reversed(range(len(sizes))):
+    if current and nbytes + 4 * sizes[i] > bucket_bytes:
+      groups.append(current)
+      current, nbytes = [], 0
+    current.append(i)
+    nbytes += 4 * sizes[i]
+  groups.append(current)
+  return groups, [-(-sum(sizes[i] for i in g) // n) * n for g in groups]
+
+
+def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Step:
+  """ZeRO-1 written by hand with plain jax + optax, as an independent reference for
+  jpack's sharded step.
+
+  Parameters live as f32 buckets (`_buckets_of`); the loss unpacks them through a
+  custom VJP whose backward is one concatenate; gradients are ``psum_scatter``-ed per
+  bucket, adam runs on this device's slice, and the new slices are ``all_gather``-ed.
+  """
+  n = mesh.shape[AXIS]
+  leaves, treedef = jax.tree.flatten(model.params)
+  shapes = [np.shape(x) for x in leaves]
+  sizes = [int(np.size(x)) for x in leaves]
+  groups, lengths = _buckets_of(model.params, n, bucket_bytes)
+
+  def pack(ls):
+    out = []
+    for g, length in zip(groups, lengths):
+      parts = [jnp.reshape(ls[i], (-1,)) for i in g]
+      pad = length - sum(sizes[i] for i in g)
+      out.append(jnp.concatenate(parts + ([jnp.zeros((pad,), jnp.float32)] if pad else [])))
+    return out
+
+  @jax.custom_vjp
+  def unpack(buckets):
+    ls = [None] * len(leaves)
+    for g, b in zip(groups, buckets):
+      offset = 0
+      for i in g:
+        ls[i] = jax.lax.slice(b, (offset,), (offset + sizes[i],)).reshape(shapes[i])
+        offset += sizes[i]
+    return ls
+
+  unpack.defvjp(lambda b: (unpack(b), None), lambda _, ct: (pack(ct),))
+  tx = optax.adam(LEARNING_RATE)
+
+  def local_slice(buckets):
+    k = jax.lax.axis_index(AXIS)
+    return [jax.lax.dynamic_slice_in_dim(b, k * (b.shape[0] // n), b.shape[0] // n)
+            for b in buckets]
+
+  def local_init(params):
+    buckets = pack(jax.tree.leaves(params))
+    return State(buckets, tx.init(local_slice(buckets)))
+
+  def local_step(state, batch):
+    def loss(buckets):
+      return model.loss(jax.tree.unflatten(treedef, unpack(buckets)), batch)
+
+    value, grads = jax.value_and_grad(loss)(_per_device(state.params))
+    grads = [jax.lax.psum_scatter(g, AXIS, tiled=True) / n for g in grads]
+    mine = local_slice(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, mine)
+    new = [jax.lax.all_gather(x, AXIS, tiled=True) for x in optax.apply_updates(mine, updates)]
+    return State(new, opt_state), {"loss": jax.lax.pmean(value, AXIS)}
+
+  return _sharded_state_step(local_init, local_step, mesh, model.params,
+                             lambda state: jax.tree.unflatten(treedef, unpack(state.params)))
+
+
+def _sharded_state_step(local_init: Callable, local_step: Callable, mesh, params: Any,
+                        to_tree: Callable) -> Step:
+  """Jit a shard_map step whose params are replicated and whose optimizer state is split
+  over the axis (every array of rank >= 1 in it)."""
+  params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+  shapes = jax.eval_shape(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P(),
+                                        check_vma=False), params_like)
+  specs = State(jax.tree.map(lambda _: P(), shapes.params),
+                jax.tree.map(lambda x: P(AXIS) if x.ndim else P(), shapes.opt_state))
+  init = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=specs,
+                               check_vma=False))
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(AXIS)),
+                               out_specs=(specs, {"loss": P()}), check_vma=False),
+                 donate_argnums=0)
+  replicated = NamedSharding(mesh, P())
+  return Step(lambda p: init(jax.device_put(p, replicated)), step, jax.jit(to_tree))
+
+
+def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
+  """Variant ``key``'s step: a `Step`, or the `jpack.DataParallel` of a jpack mode."""
+  if key in DATA_PARALLEL:
+    mode, comm_dtype, optimizer = DATA_PARALLEL[key]
+    return jpack.data_parallel(model.loss, optimizer(LEARNING_RATE), model.params, mesh,
+                               axis_name=AXIS, mode=mode, comm_dtype=comm_dtype,
+                               **plan_options)
+  adam = optax.adam(LEARNING_RATE)
+  per_leaf = optax.stateless(_per_leaf_pmean)
+  builders = {
+      "per_leaf": lambda: _plain_step(model, mesh, per_leaf, adam),
+      "ravel": lambda: _plain_step(model, mesh, optax.stateless(_ravel_pmean), adam),
+      "flatten": lambda: _plain_step(model, mesh, per_leaf, optax.flatten(adam)),
+      "optax_chain": lambda: _plain_step(
+          model, mesh, jpack.optax.allreduce(AXIS, **plan_options), adam),
+      "hand_zero1": lambda: _hand_zero1(model, mesh),
+      "grad_only": lambda: _grads_only(model, mesh),
+      "packed_grad_only": lambda: _grads_only(model, mesh,
+                                              jpack.plan(model.params, **plan_options)),
+  }
+  return builders[key]()
+
+
+# -- measuring -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+  key: str
+  compiled: c.Compiled
+  step_s: float
+  block_s: list[float]  # mean step time of every timed block
+  colls: c.Collectives
+  opt_bytes: int
+  params: Any  # final params, host numpy tree
+  loss: float
+
+
+def _bytes_per_device(tree: Any) -> int:
+  """Bytes that device 0 holds for ``tree`` (a replicated leaf counts fully)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shards = getattr(x, "addressable_shards", None)
+    total += shards[0].data.nbytes if shards else np.asarray(x).nbytes
+  return total
+
+
+@dataclasses.dataclass
+class _Prepared:
+  key: str
+  step: Any  # a Step or a jpack.DataParallel
+  compiled: c.Compiled
+  state: Any
+  times: list[float]
+
+
+def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepared:
+  step = build(key, model, mesh, plan_options)
+  state = jax.block_until_ready(step.init(model.params))
+  compiled = c.compile_fn(step.step, state, batch, jit_kwargs={"donate_argnums": 0})
+  state, _ = compiled.fn(state, batch)  # warm-up
+  return _Prepared(key, step, compiled, jax.block_until_ready(state), [])
+
+
+def _time_block(p: _Prepared, batch, steps: int) -> Any:
+  state = p.state
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = p.compiled.fn(state, batch)
+  jax.block_until_ready(state)
+  p.times.append((time.perf_counter() - t0) / steps)
+  p.state = state
+  return metrics
+
+
+def _measure(model: Model, keys: list[str], mesh, batch, *, steps: int, blocks: int,
+             plan_options: dict) -> dict[str, Result]:
+  """Compile every variant, then time them round-robin, block by block.
+
+  Interleaving spreads slow phases of a shared machine over all variants instead of
+  charging them to whichever happened to run then: the ratios are what matters.
+  """
+  prepared = {}
+  for key in keys:
+    print(f"   {VARIANTS[key]} ...", end="", flush=True)
+    prepared[key] = p = _prepare(model, key, mesh, batch, plan_options)
+    c.release_host_memory()
+    print(f" compile {c.fmt_s(p.compiled.total_s)} s", flush=True)
+  metrics = {}
+  for _ in range(blocks):
+    for key, p in prepared.items():
+      metrics[key] = _time_block(p, batch, steps)
+  results = {}
+  for key, p in prepared.items():
+    results[key] = Result(key, p.compiled, statistics.median(p.times), p.times,
+                          c.count_collectives(p.compiled.text()),
+                          _bytes_per_device(p.state.opt_state),
+                          jax.tree.map(np.asarray, p.step.params(p.state)),
+                          float(metrics[key]["loss"]))
+  return results
+
+
+def _max_diff(a: Any, b: Any) -> float:
+  return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)) if np.size(x)),
+             default=0.0)
+
+
+def gap_closed(t_per_leaf: float | None, t_variant: float, t_floor: float | None
+               ) -> float | None:
+  """The share of per-leaf's time above the floor that the variant removes: 1 at the
+  floor, 0 at per-leaf's time, negative when slower than per-leaf."""
+  if t_per_leaf is None or t_floor is None or t_per_leaf <= t_floor:
+    return None
+  return (t_per_leaf - t_variant) / (t_per_leaf - t_floor)
+
+
+def _fmt_share(x: float | None) -> str:
+  return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: int,
+                blocks: int, per_device_batch: int = PER_DEVICE_BATCH,
+                plan_options: dict | None = None) -> dict[str, Result]:
+  plan_options = plan_options or {}
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  batch = jax.device_put(model.batch(per_device_batch * NUM_DEVICES),
+                         NamedSharding(mesh, P(AXIS)))
+  layout = jpack.plan(model.params, **{"num_shards": NUM_DEVICES, **plan_options})
+  print(f"\n-- {model.describe}: {model.num_leaves} leaves, {model.num_params / 1e6:.2f} M "
+        f"params, {len(layout.buckets)} buckets; global batch "
+        f"{per_device_batch * NUM_DEVICES}; {blocks} x {steps} timed steps", flush=True)
+  results = _measure(model, variants, mesh, batch, steps=steps, blocks=blocks,
+                     plan_options=plan_options)
+
+  base, floor = results.get("per_leaf"), results.get(FLOOR)
+  table = c.Table(["variant", "compile s", "step ms", "speed-up", "gap closed", "goal",
+                   "collectives", "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf"],
+                  title=f"{model.describe} ({model.num_leaves} leaves, "
+                        f"{model.num_params / 1e6:.2f} M params), adam, {NUM_DEVICES} devices")
+  for key, r in results.items():
+    speedup = c.ratio(base.step_s, r.step_s) if base else None
+    closed = gap_closed(base and base.step_s, r.step_s, floor and floor.step_s)
+    goal = GOALS.get((model.name, key))
+    verdict = "" if goal is None or speedup is None else (
+        f">={goal:g}x {c.verdict(speedup >= goal)}")
+    diff = (None if key in NOT_COMPARABLE or base is None
+            else _max_diff(r.params, base.params))
+    coll_bytes = sum(r.colls.result_bytes.values())
+    table.add(VARIANTS[key], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
+              c.fmt_ratio(speedup), _fmt_share(closed), verdict, r.colls.short(),
+              c.human_bytes(coll_bytes) if coll_bytes else "-", c.human_bytes(r.opt_bytes),
+              "-" if diff is None else f"{diff:.1e}",
+              model=model.name, key=key, leaves=model.num_leaves, params=model.num_params,
+              lower_s=r.compiled.lower_s, compile_s=r.compiled.compile_s, step_s=r.step_s,
+              block_step_s=r.block_s, speedup_vs_per_leaf=speedup, gap_closed=closed,
+              goal_speedup=goal, **c.collective_values(r.colls), opt_state_bytes=r.opt_bytes,
+              max_param_diff_vs_per_leaf=diff, final_loss=r.loss)
+  report.table(table)
+  return results
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks step", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", default="",
+                      help=f"comma-separated subset of {', '.join(MODELS)} "
+                           f"(default: {', '.join(DEFAULT_MODELS)})")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help=f"comma-separated subset of {', '.join(VARIANTS)}")
+  parser.add_argument("--quick", action="store_true", help="mlp_40x256 only, 3 x 5 steps")
+  parser.add_argument("--steps", type=c.positive_int, default=None,
+                      help="steps per timed block (default 10)")
+  parser.add_argument("--blocks", type=c.positive_int, default=None,
+                      help="timed blocks (median; default 5)")
+  parser.add_argument("--batch", type=c.positive_int, default=PER_DEVICE_BATCH,
+                      help=f"per-device batch (default {PER_DEVICE_BATCH})")
+  parser.add_argument("--bucket-bytes", type=c.positive_int, default=None,
+                      help="jpack.plan bucket_bytes (default: jpack's, 4 MiB)")
+  parser.add_argument("--solo-bytes", type=int, default=None,
+                      help="jpack.plan solo_bytes (default: jpack's, 1 MiB; 0 = None)")
+  c.add_output_args(parser, "step")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  c.set_cpu_devices(NUM_DEVICES)  # before anything creates an array
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.solo_bytes is not None and args.solo_bytes < 0:
+    parser.error(f"--solo-bytes must be >= 0 (0 = no solo buckets), got {args.solo_bytes}")
+  names = [n for n in args.models.split(",") if n] or (
+      ["mlp_40x256"] if args.quick else list(DEFAULT_MODELS))
+  unknown = set(names) - set(MODELS)
+  if unknown:
+    parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
+  variants = [v for v in args.variants.split(",") if v]
+  unknown = set(variants) - set(VARIANTS)
+  if unknown:
+    parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+  c.require_devices(NUM_DEVICES)
+  steps = args.steps or (5 if args.quick else 10)
+  blocks = args.blocks or (3 if args.quick else 5)
+
+  plan_options = {}
+  if args.bucket_bytes is not None:
+    plan_options["bucket_bytes"] = args.bucket_bytes
+  if args.solo_bytes is not None:
+    plan_options["solo_bytes"] = args.solo_bytes or None
+  report = c.Report("jpack data-parallel step benchmark", "step", argv)
+  c.banner("benchmarks.step", [
+      f"{NUM_DEVICES} CPU devices, shard_map over ('{AXIS}',), optax.adam({LEARNING_RATE:g}), "
+      f"per-device batch {args.batch}, plan options {plan_options or 'default'}; step time "
+      f"= median of {blocks} blocks of {steps} steps, variants interleaved block by block"])
+  for name in names:
+    model = MODELS[name]()
+    chosen = variants
+    if args.variants == parser.get_default("variants") and model.num_params > BIG_MODEL_PARAMS:
+      chosen = [v for v in variants if v in BIG_MODEL_VARIANTS]
+    bench_model(model, chosen, report, steps=steps, blocks=blocks,
+                per_device_batch=args.batch, plan_options=plan_options)
+    del model
+    c.release_host_memory()
+  report.text("speed-up = per-leaf step time / variant step time (same run). gap closed = "
+              "(per-leaf - variant) / (per-leaf - grads only) step times: the share of "
+              "per-leaf's time above the grads-only floor that the variant removes. "
+              "Collectives: AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all "
+              "ops in the compiled step, bytes = their result bytes.")
+  report.write(args)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

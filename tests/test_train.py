@@ -1,7 +1,5 @@
 """data_parallel: every mode equals a single-device full-batch reference."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,24 +50,9 @@ def reference(params, steps, tx):
   return params, losses
 
 
-@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded", "per_leaf", "ravel"])
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
 def test_every_mode_matches_single_device_training(mode):
   _check_matches_single_device_training(mode)
-
-
-@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
-def test_buckets_too_long_for_int32_offsets_fall_back_to_static_slices(mode, monkeypatch):
-  # Buckets of 2**31 elements or more cannot be indexed by TrainState's int32 offsets;
-  # a lowered limit takes that path on small buckets.
-  monkeypatch.setattr(jpack._train, "_INT32_OFFSETS_BELOW", 1)
-  state = _check_matches_single_device_training(mode, slice_offsets="data")
-  assert state.offsets == ()
-
-
-@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
-def test_offsets_passed_as_data_train_like_single_device(mode):
-  state = _check_matches_single_device_training(mode, slice_offsets="data")
-  assert len(state.offsets) == 6
 
 
 def _check_matches_single_device_training(mode, **options):
@@ -135,7 +118,7 @@ def loss_with_aux(params, batch):
                 "correct": jnp.sum(y == 0)}
 
 
-@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded", "per_leaf"])
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
 def test_has_aux_metrics_are_averaged_over_devices(mode):
   params = init_cnn(jax.random.key(0))
   mesh = jax.make_mesh((8,), ("batch",))
@@ -188,35 +171,6 @@ def test_non_float_params_are_refused_with_their_path():
     jpack.data_parallel(lambda p, b: 0.0, optax.sgd(0.1), {"w": jnp.ones(2), "f": lambda x: x})
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded"])
-def test_step_slices_buckets_at_offsets_passed_as_data(mode):
-  # Static slices compile to one kernel each on XLA:CPU; with the offsets in the state
-  # (arguments of the compiled step), same-shape slices share one. Checked structurally:
-  # the step's HLO slices buckets only with dynamic-slice, whose starts are not constants.
-  params = {"layers": [{"w": jnp.ones((8, 8)) * i, "b": jnp.zeros(8)} for i in range(6)]}
-
-  def loss(p, batch):
-    h = batch
-    for layer in p["layers"]:
-      h = jnp.tanh(h @ layer["w"] + layer["b"])
-    return jnp.mean(h ** 2)
-
-  mesh = jax.make_mesh((8,), ("batch",))
-  dp = jpack.data_parallel(loss, optax.adam(1e-2), params, mesh, mode=mode,
-                           slice_offsets="data")
-  state = dp.init(params)
-  assert [int(o) for o in state.offsets] == [s.offset for s in dp.layout.slots]
-  batch = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("batch")))
-  hlo = jax.jit(dp.step).lower(state, batch).as_text()
-  static = re.findall(r"stablehlo\.slice .*-> tensor<(\d+)x", hlo)
-  assert "dynamic_slice" in hlo and all(n == "1" for n in static)  # only 1-element reads
-  # ... and a user's own jit around dp.step keeps them as data too (and still places
-  # a batch that is not on the mesh yet).
-  state, _ = jax.jit(dp.step)(state, batch)
-  state, _ = jax.jit(dp.step)(state, jnp.ones((16, 8)))
-  assert [int(o) for o in state.offsets] == [s.offset for s in dp.layout.slots]
-
-
 @pytest.mark.parametrize("transform", ["sharded", "flat"])
 def test_jpack_transforms_in_a_hand_written_step_update_in_place(transform):
   # The same guarantee for users who write their own step around jpack's transforms.
@@ -267,7 +221,7 @@ def test_grad_norm_metric_is_the_global_norm_of_the_mean_gradient():
   x, y = data(1)
   want = optax.tree.norm(jax.grad(loss_fn)(params, (x[0], y[0])))
   mesh = jax.make_mesh((8,), ("batch",))
-  for mode in jpack._train.MODES:
+  for mode in ("allreduce", "packed", "sharded"):
     dp = jpack.data_parallel(loss_fn, optax.sgd(0.0), params, mesh, mode=mode)
     _, metrics = dp.step(dp.init(params), jax.device_put((x[0], y[0]),
                                                          NamedSharding(mesh, P("batch"))))
@@ -315,13 +269,9 @@ def test_initial_params_are_broadcast_from_root():
 def test_bad_mode_and_axis():
   with pytest.raises(ValueError, match="mode must be one of"):
     jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mode="zero3")
-  with pytest.raises(ValueError, match="slice_offsets must be 'static' or 'data', got 'dynamic'"):
-    jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)),
-                        slice_offsets="dynamic")
-  for mode in ("per_leaf", "ravel"):
-    with pytest.raises(ValueError, match=f"comm_dtype=.*bfloat16.*mode='{mode}' is a baseline"):
-      jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mode=mode,
-                          comm_dtype=jnp.bfloat16)
+  for removed in ("per_leaf", "ravel"):  # baselines live in benchmarks/, not in the API
+    with pytest.raises(ValueError, match="mode must be one of"):
+      jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mode=removed)
   mesh = jax.make_mesh((8,), ("data",))
   with pytest.raises(ValueError, match="not an axis of the mesh"):
     jpack.data_parallel(loss_fn, optax.sgd(0.1), init_cnn(jax.random.key(0)), mesh)
@@ -358,7 +308,7 @@ ref, s = jax.tree.map(jnp.asarray, params), tx.init(params)
 for _ in range(150):  # one device, full batch: the reference
     u, s = tx.update(jax.grad(loss_fn)(ref, (x, y)), s, ref)
     ref = optax.apply_updates(ref, u)
-for mode, use_pmap in [("packed", False), ("sharded", False), ("per_leaf", False),
+for mode, use_pmap in [("packed", False), ("sharded", False), ("allreduce", False),
                        ("packed", True)]:
     dp = jpack.data_parallel(loss_fn, tx, params, mode=mode, use_pmap=use_pmap)
     state = dp.init(params)
@@ -403,7 +353,7 @@ def test_init_can_be_traced_by_eval_shape_and_jit(mode, use_pmap):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded", "per_leaf"])
+@pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded"])
 def test_a_zero1_optimizer_inside_the_step_is_refused(mode):
   # jpack.optax.sharded reduce-scatters too: inside mode="sharded" it re-planned each
   # device's slice and summed different devices' slices (wrong params, silently).
@@ -413,7 +363,7 @@ def test_a_zero1_optimizer_inside_the_step_is_refused(mode):
                         mode=mode)
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "packed", "per_leaf", "ravel"])
+@pytest.mark.parametrize("mode", ["allreduce", "packed"])
 def test_clipping_over_the_axis_is_refused_where_the_gradient_is_whole(mode):
   # Every device holds the whole gradient outside mode="sharded": a norm summed over
   # the axis was sqrt(8) times too big, so updates were clipped to 1/sqrt(8).
@@ -447,7 +397,7 @@ def test_a_mask_built_at_update_time_is_refused_on_buckets(mode):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded", "per_leaf"])
+@pytest.mark.parametrize("mode", ["allreduce", "packed", "sharded"])
 def test_an_optimizer_that_reduces_again_is_refused(mode):
   # The step reduces the gradients itself: a jpack.optax.allreduce in the optimizer
   # would reduce them twice (with mean=False, N times the gradient).
@@ -480,7 +430,7 @@ def test_scalar_parameters_train_and_read_back_on_the_default_mesh(mode):
 
 
 @pytest.mark.parametrize("use_pmap", [False, True])
-@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce", "per_leaf"])
+@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce"])
 def test_aux_metrics_are_true_means_and_used_states_are_refused(mode, use_pmap):
   params = {"w": np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2)}
   x = np.arange(32, dtype=np.float32).reshape(8, 4) / 32
@@ -568,7 +518,7 @@ def test_a_restored_state_steps_on(mode, mesh_axis_type, where):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce", "per_leaf"])
+@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce"])
 @pytest.mark.parametrize("name", ["reduce_on_plateau", "polyak_sgd", "multisteps"])
 def test_optimizers_that_read_the_loss_get_it_as_value(name, mode):
   # optax passes the loss as update(..., value=loss); the step gives the mean loss over

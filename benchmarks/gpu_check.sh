@@ -1,0 +1,244 @@
+#!/usr/bin/env bash
+# jpack on one GPU, in under five minutes: the machine, a GPU smoke test, the optimizer,
+# step and pack benchmarks, the fast unit tests (on the CPU: tests/conftest.py forces
+# it), and one table of the goals read back from the benchmarks' JSON.
+#
+# Needs a python3 with jax (CUDA), optax and pytest; torch adds the PyTorch column.
+# Installs and downloads nothing: runs from the repository root with PYTHONPATH=.
+#
+#   bash benchmarks/gpu_check.sh                       # outputs under $OUT, else a temp dir
+#   GPU_CHECK_STEPS="optimizer summary" bash benchmarks/gpu_check.sh    # some steps only
+#   GPU_CHECK_QUICK=1 bash benchmarks/gpu_check.sh     # tiny sizes: a smoke run on a CPU
+#
+# Steps, most informative first (a step that would start too late is skipped): env,
+# smoke, optimizer, step, pack, tests, summary. Each has its own time limit, all of them
+# together GPU_CHECK_BUDGET_S (default 285 s). A failed step is reported and the others
+# still run; the exit status is the number of steps that failed or were skipped.
+# GPU_CHECK_WORKLOADS overrides the optimizer's workloads, PYTHON the interpreter.
+
+set -u
+cd "$(dirname "$0")/.." || exit 1
+
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/jpack-gpu-check.XXXXXX")}
+mkdir -p "$OUT" || exit 1
+export OUT
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX and torch share the GPU in one process
+export GPU_CHECK_QUICK=${GPU_CHECK_QUICK:-}
+PYTHON=${PYTHON:-python3}
+STEPS=" ${GPU_CHECK_STEPS:-env smoke optimizer step pack tests summary} "
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-285}))
+RESERVE=25  # kept for the summary and for a step's grace period after its limit
+FAILED=()
+
+if [[ -n $GPU_CHECK_QUICK ]]; then
+  # XLA:CPU takes minutes to compile per-leaf adam over 4000 leaves: not in a quick run.
+  OPT_WORKLOADS=${GPU_CHECK_WORKLOADS:-gpt2_small,bert_base,resnet50}
+  OPT_ARGS=(--scale 0.01 --runs 2)
+  STEP_ARGS=(--models mlp_4x32 --steps 2 --blocks 1)
+else
+  OPT_WORKLOADS=${GPU_CHECK_WORKLOADS:-gpt2_small,bert_base,resnet50,many_small_4000}
+  OPT_ARGS=(--runs 10)
+  STEP_ARGS=(--models mlp_40x256,resnet50 --steps 10 --blocks 5)
+fi
+STEP_ARGS+=(--variants per_leaf,allreduce,packed,sharded,grad_only)
+
+# run_step NAME LIMIT_S COMMAND...: COMMAND within LIMIT_S (and what is left of the
+# budget), its output shown and kept in $OUT/NAME.log; a failure is recorded, not fatal.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  [[ $STEPS == *" $name "* ]] || return 0
+  local left=$((DEADLINE - SECONDS))
+  if [[ $name == summary ]]; then
+    ((left < 10)) && left=10  # the table of what did run is always printed
+  else
+    left=$((left - RESERVE))
+  fi
+  if ((left < 10)); then
+    echo -e "\n=== $name: skipped, the time budget is spent"
+    FAILED+=("$name (skipped: out of time)")
+    return 0
+  fi
+  ((limit > left)) && limit=$left
+  echo -e "\n=== $name (limit ${limit} s)"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  if ((rc == 124 || rc == 137)); then
+    FAILED+=("$name (timed out after ${limit} s)")
+  elif ((rc != 0)); then
+    FAILED+=("$name (exit $rc)")
+  fi
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
+
+echo "jpack GPU check: outputs in $OUT"
+
+run_step env 30 "$PYTHON" - <<'EOF'
+import os, platform, shutil, subprocess
+smi = shutil.which("nvidia-smi")
+print(subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
+      if smi else "nvidia-smi: not found")
+import jax, jaxlib, optax
+print(f"python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+      f"optax {optax.__version__}, {os.cpu_count()} CPUs")
+print("devices:", jax.devices())
+try:  # after JAX's backend: torch's CUDA libraries must not be loaded first
+  import torch
+  print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+except ImportError:
+  print("torch: not installed")
+EOF
+
+# Values checked against numpy, on the GPU: pack / unpack, the collectives under
+# shard_map, and a few data_parallel steps in every mode against per-leaf optax.
+run_step smoke 60 "$PYTHON" - <<'EOF'
+import os
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import PartitionSpec as P
+import jpack
+from benchmarks import _common as c
+
+# f32 matmuls in full precision (not TF32): the steps below are compared at 1e-5.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+platform = jax.devices()[0].platform
+print("platform:", platform, jax.devices()[0].device_kind)
+assert platform == "gpu" or os.environ.get("GPU_CHECK_QUICK"), f"no GPU: {jax.devices()}"
+
+rng = np.random.default_rng(0)
+host = {"w": rng.normal(size=(64, 48)).astype(jnp.bfloat16),
+        "h": rng.normal(size=(7,)).astype(np.float16),
+        "b": rng.normal(size=(48,)).astype(np.float32),
+        "n": np.arange(5, dtype=np.int32), "s": np.float32(3.5)}
+host.update({k: c.random_numpy(s.shape, s.dtype, rng)
+             for k, s in c.load_workload("resnet50").shapes.items()})
+tree = jax.device_put(host)
+for name, f in (("eager", lambda t: jpack.unpack(jpack.pack(t))),
+                ("jit", jax.jit(lambda t: jpack.unpack(jpack.pack(t))))):
+  out = f(tree)
+  for k, x in host.items():
+    y = np.asarray(out[k])
+    assert y.dtype == x.dtype and y.shape == np.shape(x) and y.tobytes() == x.tobytes(), (name, k)
+  print(f"pack / unpack ({name}): {len(host)} leaves bit-exact")
+
+mesh = jax.make_mesh((1,), ("batch",))
+floats = {k: v for k, v in host.items() if k != "n"}
+def reduce(t):
+  packed = jpack.pack(t)
+  return (jpack.pmean(t, "batch"), jpack.psum(t, "batch"),
+          jpack.unpack(jpack.pmean(packed, "batch")),
+          jpack.pmean(t, "batch", comm_dtype=jnp.bfloat16))
+outs = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P(), out_specs=P()))(floats)
+for i, out in enumerate(outs):
+  for k, x in floats.items():
+    y = np.asarray(out[k], np.float64)
+    tol = 1e-2 if (i == 3 or np.dtype(x.dtype).itemsize < 4) else 0
+    np.testing.assert_allclose(y, np.asarray(x, np.float64), rtol=tol, atol=tol, err_msg=k)
+print("pmean / psum / packed pmean / bf16-wire pmean on a 1-device mesh: match numpy")
+
+params = {"w": rng.normal(size=(32, 16)).astype(np.float32),
+          "b": np.zeros(16, np.float32), "v": rng.normal(size=(16,)).astype(jnp.bfloat16)}
+batch = rng.normal(size=(8, 32)).astype(np.float32)
+def loss(p, x):
+  h = jnp.tanh(x * p["w"][:, 0] @ p["w"] + p["b"]) * p["v"].astype(jnp.float32)
+  return jnp.mean(h ** 2)
+tx = optax.adam(1e-2)
+ref, opt_state = jax.device_put(params), tx.init(jax.device_put(params))
+@jax.jit
+def ref_step(p, s, x):
+  g = jax.grad(loss)(p, x)
+  u, s = tx.update(g, s, p)
+  return optax.apply_updates(p, u), s
+for _ in range(3):
+  ref, opt_state = ref_step(ref, opt_state, batch)
+for mode in ("allreduce", "packed", "sharded"):
+  dp = jpack.data_parallel(loss, tx, params, mesh, mode=mode)
+  state = dp.init(params)
+  for _ in range(3):
+    state, metrics = dp.step(state, batch)
+  got = dp.params(state)
+  for k in params:
+    tol = 2e-2 if k == "v" else 1e-5
+    np.testing.assert_allclose(np.asarray(got[k], np.float64), np.asarray(ref[k], np.float64),
+                               rtol=tol, atol=tol, err_msg=f"{mode} {k}")
+  print(f"data_parallel(mode={mode!r}): 3 steps match per-leaf optax")
+print("smoke test passed")
+EOF
+
+run_step optimizer 120 "$PYTHON" -m benchmarks.optimizer --workloads "$OPT_WORKLOADS" \
+  "${OPT_ARGS[@]}" --json "$OUT/optimizer.json" --markdown "$OUT/optimizer.md"
+
+# benchmarks.step forces 8 CPU devices unless it can be told to use the real ones.
+if grep -q -- '"--devices"' benchmarks/step.py; then
+  run_step step 60 "$PYTHON" -m benchmarks.step --devices 1 "${STEP_ARGS[@]}" \
+    --json "$OUT/step.json" --markdown "$OUT/step.md"
+elif [[ $STEPS == *" step "* ]]; then
+  echo -e "\n=== step: skipped, benchmarks/step.py has no --devices option to use the GPU"
+  FAILED+=("step (skipped: no --devices option)")
+fi
+
+run_step pack 45 "$PYTHON" -m benchmarks.pack --quick --plan-runs 5 \
+  --workloads resnet50,gpt2_small,many_small_4000 --json "$OUT/pack.json" --markdown "$OUT/pack.md"
+
+# On the CPU (tests/conftest.py sets jax_platforms=cpu), with this machine's jax; the
+# GPU lowering tests first. The slowest tests sweep XLA:CPU workarounds: left out.
+run_step tests 60 env HYPOTHESIS_PROFILE=dev "$PYTHON" -m pytest -p no:cacheprovider -x -q \
+  tests/test_gpu_path.py tests/test_pack.py tests/test_layout.py \
+  -k "not sharing_kernels and not every_float4 and not every_bit_pattern and not backward_of_unpack"
+
+run_step summary 15 "$PYTHON" - <<'EOF'
+"""The goals, from the JSON the benchmarks wrote under $OUT."""
+import json, os, pathlib
+
+out = pathlib.Path(os.environ["OUT"])
+rows = []
+
+def add(goal, what, value, limit, ok):
+  result = "-" if value is None else ("PASS" if ok else "MISS")
+  rows.append((goal, what, "-" if value is None else f"{value:.3f}", limit, result))
+
+def load(name):
+  path = out / f"{name}.json"
+  if not path.exists():
+    print(f"{path.name}: missing (the step failed or did not run)")
+    return None
+  doc = json.loads(path.read_text())
+  m = doc["machine"]
+  print(f"{path.name}: {m['device_count']} {m['platform']} device(s) ({m['device_kind']})")
+  return doc
+
+step = load("step")
+if step:
+  values = [r["values"] for t in step["tables"] for r in t["rows"] if "step_s" in r["values"]]
+  base = {v["model"]: v["step_s"] for v in values if v["key"] == "per_leaf"}
+  for v in values:
+    if v["key"] in ("allreduce", "packed", "sharded") and v["model"] in base:
+      r = v["step_s"] / base[v["model"]]
+      add("step time: jpack / per-leaf", f"{v['model']} {v['key']}", r, "<= 1.05", r <= 1.05)
+
+optimizer = load("optimizer")
+if optimizer:
+  for row in optimizer["tables"][0]["rows"]:
+    v = row["values"]
+    r = v["jpack_over_per_leaf"]
+    add("adam update: jpack / per-leaf optax", v["workload"], r, "< 1", r is not None and r < 1)
+    r = v["jpack_over_torch"] if v["torch_adam"].startswith("fused") else None
+    add("adam update: jpack / torch fused Adam", v["workload"], r, "<= 1",
+        r is not None and r <= 1)
+
+print("\n| goal | model / workload | value | limit | result |\n|---|---|---:|---|---|")
+for row in rows:
+  print("| " + " | ".join(row) + " |")
+EOF
+
+echo
+if ((${#FAILED[@]})); then
+  echo "jpack GPU check: ${#FAILED[@]} step(s) failed or skipped:"
+  printf '  %s\n' "${FAILED[@]}"
+else
+  echo "jpack GPU check: every step passed"
+fi
+echo "outputs: $OUT"
+exit "${#FAILED[@]}"

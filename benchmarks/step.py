@@ -486,15 +486,17 @@ def _fmt_share(x: float | None) -> str:
 
 def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: int,
                 blocks: int, per_device_batch: int = PER_DEVICE_BATCH,
-                plan_options: dict | None = None) -> dict[str, Result]:
+                plan_options: dict | None = None,
+                num_devices: int = NUM_DEVICES) -> dict[str, Result]:
   plan_options = plan_options or {}
-  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  batch = jax.device_put(model.batch(per_device_batch * NUM_DEVICES),
+  mesh = jax.make_mesh((num_devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:num_devices])
+  batch = jax.device_put(model.batch(per_device_batch * num_devices),
                          NamedSharding(mesh, P(AXIS)))
-  layout = jpack.plan(model.params, **{"num_shards": NUM_DEVICES, **plan_options})
+  layout = jpack.plan(model.params, **{"num_shards": num_devices, **plan_options})
   print(f"\n-- {model.describe}: {model.num_leaves} leaves, {model.num_params / 1e6:.2f} M "
         f"params, {len(layout.buckets)} buckets; global batch "
-        f"{per_device_batch * NUM_DEVICES}; {blocks} x {steps} timed steps", flush=True)
+        f"{per_device_batch * num_devices}; {blocks} x {steps} timed steps", flush=True)
   results = _measure(model, variants, mesh, batch, steps=steps, blocks=blocks,
                      plan_options=plan_options)
 
@@ -502,7 +504,7 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
   table = c.Table(["variant", "compile s", "step ms", "speed-up", "gap closed", "goal",
                    "collectives", "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf"],
                   title=f"{model.describe} ({model.num_leaves} leaves, "
-                        f"{model.num_params / 1e6:.2f} M params), adam, {NUM_DEVICES} devices")
+                        f"{model.num_params / 1e6:.2f} M params), adam, {num_devices} devices")
   for key, r in results.items():
     speedup = c.ratio(base.step_s, r.step_s) if base else None
     closed = gap_closed(base and base.step_s, r.step_s, floor and floor.step_s)
@@ -534,6 +536,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help=f"comma-separated subset of {', '.join(VARIANTS)}")
   parser.add_argument("--quick", action="store_true", help="mlp_40x256 only, 3 x 5 steps")
+  parser.add_argument("--devices", type=c.positive_int, default=NUM_DEVICES,
+                      help=f"devices on the data-parallel axis (default {NUM_DEVICES}; CPU "
+                           "devices are simulated, other platforms use the first N)")
   parser.add_argument("--steps", type=c.positive_int, default=None,
                       help="steps per timed block (default 10)")
   parser.add_argument("--blocks", type=c.positive_int, default=None,
@@ -549,10 +554,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  c.set_cpu_devices(NUM_DEVICES)  # before anything creates an array
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = _parser()
   args = parser.parse_args(argv)
+  c.set_cpu_devices(args.devices)  # before anything creates an array
   if args.solo_bytes is not None and args.solo_bytes < 0:
     parser.error(f"--solo-bytes must be >= 0 (0 = no solo buckets), got {args.solo_bytes}")
   names = [n for n in args.models.split(",") if n] or (
@@ -564,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
   unknown = set(variants) - set(VARIANTS)
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-  c.require_devices(NUM_DEVICES)
+  c.require_devices(args.devices)
   steps = args.steps or (5 if args.quick else 10)
   blocks = args.blocks or (3 if args.quick else 5)
 
@@ -575,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_options["solo_bytes"] = args.solo_bytes or None
   report = c.Report("jpack data-parallel step benchmark", "step", argv)
   c.banner("benchmarks.step", [
-      f"{NUM_DEVICES} CPU devices, shard_map over ('{AXIS}',), optax.adam({LEARNING_RATE:g}), "
+      f"{args.devices} {jax.devices()[0].platform.upper()} devices, shard_map over ('{AXIS}',), "
+      f"optax.adam({LEARNING_RATE:g}), "
       f"per-device batch {args.batch}, plan options {plan_options or 'default'}; step time "
       f"= median of {blocks} blocks of {steps} steps, variants interleaved block by block"])
   for name in names:
@@ -584,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants == parser.get_default("variants") and model.num_params > BIG_MODEL_PARAMS:
       chosen = [v for v in variants if v in BIG_MODEL_VARIANTS]
     bench_model(model, chosen, report, steps=steps, blocks=blocks,
-                per_device_batch=args.batch, plan_options=plan_options)
+                per_device_batch=args.batch, plan_options=plan_options,
+                num_devices=args.devices)
     del model
     c.release_host_memory()
   report.text("speed-up = per-leaf step time / variant step time (same run). gap closed = "

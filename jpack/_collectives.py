@@ -99,21 +99,18 @@ def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     axis_name: the mesh / pmap axis to reduce over.
     comm_dtype: wire dtype of real floating buckets, e.g. ``jnp.float32`` to
       accumulate bf16 gradients in f32, or ``jnp.bfloat16`` to halve the bytes sent for
-      f32 gradients. When a bucket is reduce-scattered (``method="scatter_gather"``,
-      or ``"auto"`` when it splits evenly), a wire narrower than the bucket's dtype or
-      than 32 bits (a narrower comm_dtype, or a bf16/f16/fp8 bucket's own dtype)
-      travels as same-width integers through ``all_to_all`` + ``all_gather``, so those
-      bytes really are what moves on every backend (XLA:CPU widens 16-bit float
-      collectives to f32), and each device accumulates in the wider of f32 and the
-      bucket dtype. Otherwise the bucket is cast to the wire dtype and reduced in it.
-      Results come back in each leaf's own dtype. Integer and complex buckets are
-      always sent in their own dtype.
+      f32 gradients. The bucket is cast to the wire dtype, reduced in it, and cast back
+      (a mean is divided in the wider of the two). On CPU a reduce-scattered bucket
+      whose wire is narrower than it or than 32 bits travels as same-width integers
+      through ``all_to_all`` + ``all_gather`` instead, and each device sums in f32:
+      XLA:CPU would widen a 16-bit collective to f32 bytes. Results come back in each
+      leaf's own dtype. Integer and complex buckets are always sent in their own dtype.
     layout: the `Layout` to pack with (planned from ``tree`` if omitted, with
       ``num_shards`` set to the axis size).
     method: ``"psum"`` (one ``lax.psum`` per bucket), ``"scatter_gather"``
-      (``psum_scatter`` + ``all_gather`` per bucket, which XLA does not merge into one
-      huge tuple all-reduce; fastest on CPU), or ``"auto"`` (scatter_gather when a
-      bucket splits evenly over the axis, else psum).
+      (``psum_scatter`` + ``all_gather`` per bucket), or ``"auto"``: on CPU
+      scatter_gather where a bucket splits evenly over the axis (XLA:CPU merges plain
+      all-reduces into one slow tuple all-reduce), psum elsewhere and on other backends.
     **plan_options: options for `jpack.plan` (only without ``layout``).
 
   Returns:
@@ -147,8 +144,8 @@ def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
 
   Equal to per-leaf ``jax.lax.pmean`` for floating leaves, to float rounding. The sum
   is divided in the dtype it was accumulated in (see ``comm_dtype`` in `jpack.psum`:
-  at least f32 on the integer-bits path, else the wider of the leaf dtype and
-  ``comm_dtype``), then cast back to the leaf dtype.
+  the wider of the leaf dtype and ``comm_dtype``, at least f32 on CPU's integer-bits
+  path), then cast back to the leaf dtype.
 
   Args:
     tree: as in `jpack.psum`.

@@ -21,9 +21,9 @@ from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather
                                 reduce_scatter, shard)
 from jpack._layout import Layout, check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
+from jpack._probe import checker
 from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
-                               _labelled, _LayoutState, _pack_like, _refuse_inner,
-                               _refuse_masked_state, _refuse_reduce_in, _retyped,
+                               _labelled, _LayoutState, _pack_like, _retyped,
                                _unpack_as_returned)
 
 
@@ -88,8 +88,8 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   """
   _check_inner(inner, labels)
   check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
-  _refuse_inner(inner, "inside jpack.optax.sharded", slices=True)
-  _refuse_reduce_in(inner, "inside jpack.optax.sharded")
+  check = checker(inner, on="slices", axis_name=axis_name,
+                  where="inside jpack.optax.sharded")
 
   def layout_for(tree, n):
     if isinstance(tree, (Packed, Shards)):
@@ -105,7 +105,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       local = params
     else:
       local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
-    _refuse_masked_state(inner, local.buckets, "inside jpack.optax.sharded")
+    check(layout)  # on a miniature of the params: compares slices with the tree
     return ShardedState(_labelled(inner, layout).init(local.buckets), layout)
 
   def update_fn(updates, state, params=None, **extra_args):

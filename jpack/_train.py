@@ -19,10 +19,9 @@ from jpack._layout import Layout, plan
 from jpack import _cpu as cpu
 from jpack._pack import Packed, flatten_like, pack, unpack
 from jpack._sharded import ShardedState, _sum_of_squares, sharded
-from jpack._transforms import (Labels, _after, _check_inner, _firsts, _functions_in,
-                               _group_fn_for, _multi_transform, _refuse_inner,
-                               _refuse_masked_state, _refuse_reduce_in, _with_extra_args,
-                               flat)
+from jpack._probe import checker
+from jpack._transforms import (Labels, _after, _check_inner, _firsts, _group_fn_for,
+                               _multi_transform, _with_extra_args, flat)
 
 MODES = ("allreduce", "packed", "sharded")
 
@@ -124,12 +123,6 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                      f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
                      f"({axis_name!r},)).")
   _check_inner(optimizer, labels)
-  _refuse_reduce_in(optimizer, "inside data_parallel's optimizer (the step reduces)")
-  if mode == "packed":
-    _refuse_inner(optimizer, "on the packed params of data_parallel(mode='packed') (use "
-                  "mode='allreduce' for it)")
-  if mode != "sharded":
-    _refuse_axis_norm(optimizer, mode)
   if "group_fn" in plan_options:
     raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
                     "label itself (pass labels= with a dict of optimizers, or a plain "
@@ -138,11 +131,11 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
                 **{"num_shards": n, **plan_options})
   _check_trainable(layout)
-  if mode == "packed" and not isinstance(optimizer, Mapping):  # flat checks a dict's
-    _refuse_masked_state(optimizer, tuple(jax.ShapeDtypeStruct((b.size,), b.dtype)
-                                          for b in layout.buckets),
-                         "on the packed params of data_parallel(mode='packed') (use "
-                         "mode='allreduce' for it)")
+  # On a miniature of the params: the optimizer on buckets or slices against the tree,
+  # and no collective over the axis where every device holds the whole gradient.
+  checker(optimizer, on={"packed": "buckets", "sharded": "slices"}.get(mode, "tree"),
+          axis_name=axis_name, where=f"inside data_parallel's optimizer (mode={mode!r})",
+          instead="mode='allreduce', which runs it on the params tree")(layout)
   packed_params = mode in ("packed", "sharded")
   if mode == "sharded":
     tx = sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
@@ -264,21 +257,6 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
   return DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout)
-
-
-def _refuse_axis_norm(optimizer: Any, mode: str) -> None:
-  """In every mode but "sharded" each device holds the whole reduced gradient, so a
-  clip_by_global_norm over the axis would sum N copies of its square: clipping by
-  sqrt(N) times the norm."""
-  for fn in _functions_in(optimizer):
-    axis = getattr(fn, "global_norm_axis_name", None)
-    if axis is not None:
-      raise TypeError(
-          f"jpack.optax.clip_by_global_norm(..., {axis!r}) cannot run in "
-          f"data_parallel(mode={mode!r}): every device holds the whole gradient there, so "
-          "summing over the axis would clip by sqrt(N) times its norm. Use "
-          "jpack.optax.clip_by_global_norm(max_norm) without an axis (or "
-          "optax.clip_by_global_norm); the axis is for mode='sharded'.")
 
 
 def _check_trainable(layout: Layout) -> None:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
-import dis
 import functools
 import inspect
-import types
 from typing import Any, Callable, Mapping, Union
 
 import jax
@@ -18,6 +15,7 @@ import optax
 from jpack._collectives import pmean, psum
 from jpack._layout import Layout, check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
+from jpack._probe import checker
 
 Labels = Union[Callable[[Any], Any], Any, None]
 Inner = Union[optax.GradientTransformation, Mapping[str, optax.GradientTransformation]]
@@ -168,8 +166,9 @@ def flat(inner: Inner, *, labels: Labels = None,
     arguments (``value=`` for ``optax.polyak_sgd``) are passed on to ``inner``.
 
   Raises:
-    TypeError: ``inner`` holds an optax transformation that needs whole leaves (lamb,
-      adafactor, masked, ...); it would silently compute something else on buckets.
+    TypeError: from ``init``, when ``inner`` computes something else on buckets than on
+      the params tree (lamb, adafactor, masks, noise, ...): ``init`` runs it both ways on
+      a miniature of the params and compares.
     ValueError: from ``update``, when the updates or params are a `jpack.Packed` with
       another layout than the one the state was initialised with (``state.layout``).
 
@@ -184,12 +183,13 @@ def flat(inner: Inner, *, labels: Labels = None,
   """
   _check_inner(inner, labels)
   check_plan_options(plan_options, "jpack.optax.flat")
-  _refuse_inner(inner, "inside jpack.optax.flat")
+  check = checker(inner, on="buckets", where="inside jpack.optax.flat")
 
   def init_fn(params):
     packed = _pack(params, labels, plan_options)
-    _refuse_masked_state(inner, packed.buckets, "inside jpack.optax.flat")
-    return FlatState(_labelled(inner, packed.layout).init(packed.buckets), packed.layout)
+    tx = _labelled(inner, packed.layout)
+    check(packed.layout)  # on a miniature of the params: compares buckets with the tree
+    return FlatState(tx.init(packed.buckets), packed.layout)
 
   def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
@@ -347,171 +347,3 @@ def _check_inner(inner: Inner, labels: Labels) -> None:
             if hasattr(inner, "gradient_transformation") else "")
     raise TypeError(f"inner must be an optax.GradientTransformation (or a dict of them with "
                     f"labels=), got {type(inner).__name__}{hint}.")
-
-
-# -- refusing inner transforms that buckets would silently change ----------------------
-
-# optax factories that need each leaf's shape or values, or the params tree itself
-# (per-leaf norms, factored moments, masks and labels by leaf, line searches calling the
-# loss): on buckets, which mix many leaves, they would compute something else.
-_NEEDS_LEAVES = {
-    "clip_by_block_rms", "adaptive_grad_clip", "per_example_global_norm_clip",
-    "scale_by_trust_ratio", "lamb", "lars", "fromage", "scale_by_param_block_norm",
-    "scale_by_param_block_rms", "scale_by_factored_rms", "adafactor", "sm3", "scale_by_sm3",
-    "masked", "multi_transform", "partition", "muon", "scale_by_muon", "centralize",
-    "novograd", "scale_by_novograd", "flatten", "scale_by_zoom_linesearch",
-    "scale_by_backtracking_linesearch", "scale_by_galore", "galore",
-    "hutchinson_estimator_diag_hessian", "scale_by_sophia", "sophia",
-    "differentially_private_aggregate", "dpsgd",
-}
-# ... and those that need the whole gradient: right on all the buckets, wrong on a slice.
-_NEEDS_WHOLE_GRADIENT = {
-    "clip_by_global_norm", "normalize_by_update_norm", "lbfgs", "scale_by_lbfgs",
-    "polyak_sgd", "scale_by_polyak", "apply_if_finite", "skip_not_finite",
-    "skip_large_updates", "scale_by_distance_over_gradients", "dog", "dowg", "scale_by_dowg",
-    "prodigy", "scale_by_prodigy", "contrib_dadapt_adamw", "dadapt_adamw",
-    "scale_by_dadapt_adam", "mechanize", "scale_by_mechanic", "cocob", "scale_by_cocob",
-    "normalize", "momo", "momo_adam", "sam", "scale_by_dog", "zero_nans",
-    # measurements of the updates kept in the state (a slice's norm on each device)
-    "snapshot", "monitor", "measure_with_ema",
-}
-
-# Draw random numbers from a key in their state: on slices, every device would draw the
-# same numbers for its own slice (correlated noise, silently).
-_DRAWS_NOISE = {"add_noise", "noisy_sgd"}
-
-
-def _refuse_inner(inner: Any, where: str, *, slices: bool = False) -> None:
-  """Raise TypeError if ``inner`` holds a transformation that buckets (or, with
-  ``slices``, each device's slice of them) would silently change."""
-  for fn in _functions_in(inner):
-    name = fn.__qualname__.split(".<locals>")[0]
-    optax_fn = fn.__module__.startswith("optax")
-    if optax_fn and name in _NEEDS_LEAVES:
-      raise TypeError(
-          f"optax.{name} cannot run {where}: it needs each leaf's shape or values (or the "
-          "params tree), but it would see 1-D buckets that mix many leaves and silently "
-          "compute something else. Use labels= with a dict of transformations for masks, "
-          "or jpack.optax.allreduce followed by the optimizer on the tree.")
-    if slices and optax_fn and name in _NEEDS_WHOLE_GRADIENT:
-      raise TypeError(
-          f"optax.{name} cannot run {where}: it needs the whole gradient, but each device "
-          "sees only a slice of each bucket, so it would silently compute something else. "
-          "Use jpack.optax.clip_by_global_norm(max_norm, axis_name) for clipping, or "
-          "jpack.optax.allreduce + the replicated optimizer.")
-    if slices and optax_fn and name in _DRAWS_NOISE:
-      raise TypeError(
-          f"optax.{name} cannot run {where}: it draws noise from a key in its state, and "
-          "every device would draw the same noise for its own slice of each bucket. Use "
-          "jpack.optax.allreduce + the replicated optimizer.")
-    if slices and getattr(fn, "global_norm_axis_name", "") is None:
-      raise TypeError(
-          f"jpack.optax.clip_by_global_norm without axis_name cannot run {where}: each "
-          "device would clip its slice by the slice's own norm. Pass the axis the "
-          "gradient is sharded over: jpack.optax.clip_by_global_norm(max_norm, axis_name).")
-
-
-def _refuse_masked_state(inner: Inner, buckets: Any, where: str) -> None:
-  """Raise TypeError if ``inner`` (each of a dict's transformations) keeps a masked or
-  multi-transform state when initialised on ``buckets``: a mask built at update time
-  (``optax.inject_hyperparams(optax.adamw)(1e-3, mask=fn)``) hides from `_refuse_inner`,
-  and on 1-D buckets ``fn`` would select something else (no leaf is 2-D: no decay)."""
-  structs = jax.tree.map(lambda b: jax.ShapeDtypeStruct(np.shape(b), b.dtype), buckets)
-  for t in (inner.values() if isinstance(inner, Mapping) else (inner,)):
-    state = jax.eval_shape(t.init, structs)
-    found = [x for x in jax.tree.leaves(state, is_leaf=_is_leafwise_state)
-             if _is_leafwise_state(x)]
-    if found:
-      raise TypeError(
-          f"The optimizer keeps a {type(found[0]).__name__} (a mask or labels chosen per "
-          f"leaf, e.g. adamw(mask=...) built through optax.inject_hyperparams), which "
-          f"cannot run {where}: its mask would see 1-D buckets that mix many leaves and "
-          "silently select something else. Use labels= with a dict of transformations, "
-          "or jpack.optax.allreduce followed by the optimizer on the tree.")
-
-
-def _is_leafwise_state(x: Any) -> bool:
-  return isinstance(x, (optax.MaskedState, optax.MultiTransformState))
-
-
-def _refuse_reduce_in(inner: Any, where: str) -> None:
-  """Raise TypeError if ``inner`` holds `allreduce` or `sharded`: ``where`` already reduces the
-  gradients, so a second reduce is wasted (mean) or multiplies them by N (sum), and on
-  ZeRO-1 slices it adds up different devices' slices."""
-  for fn in _functions_in(inner):
-    if getattr(fn, "jpack_reducer", None) is not None:
-      raise TypeError(
-          f"jpack.optax.{fn.jpack_reducer} cannot run {where}: the gradients are already "
-          "reduced there, so it would reduce them a second time (mean: wasted "
-          "collectives; sum: N times the gradient; on ZeRO-1 slices: a sum of different "
-          "slices). Pass the optimizer without it.")
-
-
-def _functions_in(obj: Any, depth: int = 0, seen: set[int] | None = None):
-  """The functions reachable from ``obj`` through closures, tuples, dicts, partials,
-  bound methods, optax objects' attributes (a GradientTransformation is a tuple of
-  closures over its parts; ``optax.MultiSteps(...).gradient_transformation()`` one of
-  bound methods of an object holding the wrapped optimizer) and, for functions outside
-  the libraries, the module-level functions their code reads (`_globals_used`)."""
-  seen = set() if seen is None else seen
-  if depth > 12 or id(obj) in seen:
-    return
-  seen.add(id(obj))
-  if isinstance(obj, types.FunctionType):
-    yield obj
-    for cell in obj.__closure__ or ():
-      try:
-        contents = cell.cell_contents
-      except ValueError:  # empty cell
-        continue
-      yield from _functions_in(contents, depth + 1, seen)
-    if (obj.__module__ or "").split(".")[0] not in _LIBRARIES:
-      for item in _globals_used(obj):
-        yield from _functions_in(item, depth + 1, seen)
-  elif isinstance(obj, (tuple, list)):
-    for item in obj:
-      yield from _functions_in(item, depth + 1, seen)
-  elif isinstance(obj, Mapping):
-    for item in obj.values():
-      yield from _functions_in(item, depth + 1, seen)
-  elif isinstance(obj, functools.partial):
-    yield from _functions_in(obj.func, depth + 1, seen)
-  elif isinstance(obj, types.MethodType):
-    yield from _functions_in(obj.__func__, depth + 1, seen)
-    yield from _functions_in(obj.__self__, depth + 1, seen)
-  elif type(obj).__module__.startswith("optax") and hasattr(obj, "__dict__"):
-    for item in vars(obj).values():
-      yield from _functions_in(item, depth + 1, seen)
-
-
-# Library code is trusted to be what its name says; only user code (a factory handed to
-# inject_hyperparams, a helper building a chain) is read for the optax functions it calls.
-_LIBRARIES = {"optax", "jax", "jaxlib", "jpack", "numpy", "functools", "builtins"}
-
-
-def _globals_used(fn: types.FunctionType) -> list[Any]:
-  """The objects ``fn`` (and the lambdas and functions defined inside it) reads from its
-  module: ``optax.clip_by_global_norm`` in ``lambda lr: optax.chain(
-  optax.clip_by_global_norm(1.0), optax.sgd(lr))`` is only reachable this way, since the
-  factory is called at every update, not when the transformation is built."""
-  found = []
-  codes = [fn.__code__]
-  while codes:
-    code = codes.pop()
-    codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    obj = None
-    for ins in dis.get_instructions(code):
-      if ins.opname == "LOAD_GLOBAL":
-        name = ins.argval
-        obj = fn.__globals__.get(name, getattr(builtins, name, None))
-      elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and obj is not None:
-        obj = getattr(obj, ins.argval, None)
-      else:
-        obj = None
-        continue
-      # A transformation built once at module level (CLIP = optax.clip_by_global_norm(1.0))
-      # and used inside a factory is only reachable here, like a function.
-      if isinstance(obj, (types.FunctionType, functools.partial,
-                          optax.GradientTransformation)):
-        found.append(obj)
-  return found

@@ -140,28 +140,103 @@ def test_flat_errors():
     tx.init(params0())
 
 
-@pytest.mark.parametrize("inner", [
-    lambda: optax.lamb(1e-3),
-    lambda: optax.adafactor(1e-3),
-    lambda: optax.novograd(1e-3),
-    lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-    lambda: {"a": optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1))},
-    # MultiSteps hands out bound methods of an object that holds the optimizer.
-    lambda: optax.MultiSteps(optax.lamb(1e-3), 2).gradient_transformation(),
-    lambda: optax.contrib.galore(1e-3, rank=2, update_proj_gap=1),  # projects 2-D leaves
+def init_sharded(tx, params=None, n=N):
+  """``tx.init`` traced inside shard_map over "batch", where `sharded` probes its inner."""
+  mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+  f = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+  return jax.eval_shape(f, params0() if params is None else params)
+
+
+@pytest.mark.parametrize("inner,culprit", [
+    (lambda: optax.lamb(1e-3), "scale_by_trust_ratio"),
+    (lambda: optax.adafactor(1e-3), "scale_by_factored_rms"),
+    (lambda: optax.novograd(1e-3), "scale_by_novograd"),
+    (lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+     "masked"),
+    (lambda: {"a": optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1))},
+     "clip_by_block_rms"),
+    # MultiSteps hands out bound methods of an object that holds the optimizer, and
+    # runs it inside a lax.cond.
+    (lambda: optax.MultiSteps(optax.lamb(1e-3), 2).gradient_transformation(),
+     "scale_by_trust_ratio"),
+    (lambda: optax.contrib.galore(1e-3, rank=2, update_proj_gap=1), "galore"),  # 2-D leaves
 ])
-def test_flat_refuses_transforms_that_need_whole_leaves(inner):
+def test_flat_refuses_transforms_that_need_whole_leaves(inner, culprit):
   # On 1-D buckets an ndim-based mask would see no matrix at all (no weight decay, no
   # error), and per-leaf norms would be per-bucket norms.
   labels = lambda p: jax.tree.map(lambda _: "a", p)
   inner = inner()
-  with pytest.raises(TypeError, match="cannot run inside jpack.optax.flat.*labels="):
-    jpack.optax.flat(inner, labels=labels if isinstance(inner, dict) else None)
-  with pytest.raises(TypeError, match=r"data_parallel\(mode='packed'\)"):
+  tx = jpack.optax.flat(inner, labels=labels if isinstance(inner, dict) else None)
+  with pytest.raises(TypeError, match=rf"{culprit} cannot run inside jpack.optax.flat: on "
+                                      r"buckets.*\['dense'\]\['w'\].*labels="):
+    tx.init(params0())
+  with pytest.raises(TypeError, match=rf"{culprit} cannot run inside data_parallel's "
+                                      r"optimizer \(mode='packed'\).*mode='allreduce'"):
     jpack.data_parallel(loss, inner, params0(), mode="packed",
                         labels=labels if isinstance(inner, dict) else None)
   jpack.data_parallel(loss, inner, params0(), mode="allreduce",
                       labels=labels if isinstance(inner, dict) else None)
+
+
+@pytest.mark.parametrize("inner,why", [
+    (lambda: optax.noisy_sgd(0.1, key=0), "draws random numbers"),
+    (lambda: optax.contrib.muon(1e-3), "not elementwise"),
+    (lambda: optax.flatten(optax.adam(1e-3)), "not elementwise"),
+    # A mask built at update time (inject_hyperparams calls adamw at every update).
+    (lambda: optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=1e-2, weight_decay=1e-4,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)), "keeps a MaskedState"),
+])
+def test_flat_refuses_what_differs_on_buckets_and_says_why(inner, why):
+  with pytest.raises(TypeError, match=f"cannot run inside jpack.optax.flat.*{why}"):
+    jpack.optax.flat(inner()).init(params0())
+
+
+@pytest.mark.parametrize("inner,what", [
+    (lambda: optax.lbfgs(), "value_fn"),  # its line search calls the loss function
+    (lambda: optax.masked(optax.adam(1e-3), {"dense": {"w": True, "b": False},
+                                             "norm": {"scale": False}, "emb": True}),
+     "tree structure"),
+])
+def test_flat_refuses_what_cannot_be_probed_with_the_error(inner, what):
+  with pytest.raises(TypeError, match=f"cannot run inside jpack.optax.flat: on a small "
+                                      f"params tree of its own it raised.*{what}"):
+    jpack.optax.flat(inner()).init(params0())
+
+
+def test_flat_refuses_a_collective_inside_and_says_where_to_reduce():
+  tx = jpack.optax.flat(optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3)))
+  with pytest.raises(TypeError, match=r"jpack.optax.allreduce cannot run inside "
+                                      r"jpack.optax.flat: it runs a collective.*optax.chain\("
+                                      r"jpack.optax.allreduce\(axis_name\), jpack.optax.flat"):
+    tx.init(params0())
+
+
+@pytest.mark.parametrize("make", [
+    # Refused by name before; a mask or labels that select every leaf change nothing.
+    lambda: optax.multi_transform({"a": optax.adam(1e-2)},
+                                  lambda p: jax.tree.map(lambda _: "a", p)),
+    lambda: optax.masked(optax.adamw(1e-2), lambda p: jax.tree.map(lambda _: True, p)),
+    lambda: optax.chain(optax.normalize_by_update_norm(), optax.sgd(1e-2)),  # whole norm
+])
+def test_flat_accepts_what_buckets_do_not_change_and_matches_optax(make):
+  got = run(optax.chain(jpack.optax.allreduce("batch"), jpack.optax.flat(make())), 10)
+  assert_trees_close(got, run(make(), 10, reduce=per_leaf_pmean), tol=1e-4)
+
+
+def test_the_probe_runs_under_jit_and_once_per_miniature(monkeypatch):
+  # init is traced (jit, eval_shape, shard_map): the probe makes values of its own.
+  from jpack import _probe
+  calls = []
+  verdict = _probe._verdict
+  monkeypatch.setattr(_probe, "_verdict", lambda *a: calls.append(a) or verdict(*a))
+  tx = jpack.optax.flat(optax.lamb(1e-3))
+  for init in (jax.jit(tx.init), lambda p: jax.eval_shape(tx.init, p), tx.init):
+    with pytest.raises(TypeError, match="scale_by_trust_ratio cannot run"):
+      init(params0())
+  assert len(calls) == 1
+  jax.jit(jpack.optax.flat(optax.adam(1e-3)).init)(params0())
+  assert len(calls) == 2
 
 
 def test_flat_global_norm_clipping_sees_the_whole_gradient():
@@ -243,25 +318,27 @@ MODULE_CLIP = optax.clip_by_global_norm(1.0)
 MODULE_TRUST = optax.scale_by_trust_ratio()
 
 
-def test_transforms_built_by_a_factory_are_read_for_refusals():
-  # inject_hyperparams calls the factory at every update: the optax functions it uses
-  # are reachable only through the factory's globals.
+def test_transforms_built_by_a_factory_are_probed():
+  # inject_hyperparams calls the factory at every update: only running it shows what
+  # it builds.
   clip_chain = lambda lr: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(lr))
-  with pytest.raises(TypeError, match="clip_by_global_norm cannot run inside jpack.optax.sharded"):
-    jpack.optax.sharded(optax.inject_hyperparams(clip_chain)(lr=0.1), "batch")
+  with pytest.raises(TypeError, match="optax.clip_by_global_norm cannot run inside "
+                                      "jpack.optax.sharded"):
+    init_sharded(jpack.optax.sharded(optax.inject_hyperparams(clip_chain)(lr=0.1), "batch"))
   block_rms = lambda lr: optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(lr))
   with pytest.raises(TypeError, match="clip_by_block_rms cannot run inside jpack.optax.flat"):
-    jpack.optax.flat(optax.inject_hyperparams(block_rms)(lr=0.1))
-  jpack.optax.flat(optax.inject_hyperparams(clip_chain)(lr=0.1))  # whole gradient: fine
+    jpack.optax.flat(optax.inject_hyperparams(block_rms)(lr=0.1)).init(params0())
+  jpack.optax.flat(optax.inject_hyperparams(clip_chain)(lr=0.1)).init(params0())  # whole
   # A transformation built once at module level and used inside the factory.
-  with pytest.raises(TypeError, match="clip_by_global_norm cannot run inside jpack.optax.sharded"):
-    jpack.optax.sharded(optax.inject_hyperparams(
-        lambda lr: optax.chain(MODULE_CLIP, optax.sgd(lr)))(lr=0.1), "batch")
+  with pytest.raises(TypeError, match="clip_by_global_norm cannot run inside "
+                                      "jpack.optax.sharded"):
+    init_sharded(jpack.optax.sharded(optax.inject_hyperparams(
+        lambda lr: optax.chain(MODULE_CLIP, optax.sgd(lr)))(lr=0.1), "batch"))
   with pytest.raises(TypeError, match="scale_by_trust_ratio cannot run inside jpack.optax.flat"):
     jpack.optax.flat(optax.inject_hyperparams(
-        lambda lr: optax.chain(MODULE_TRUST, optax.sgd(lr)))(lr=0.1))
-  jpack.optax.sharded(optax.inject_hyperparams(
-      lambda lr: optax.chain(optax.scale_by_adam(), optax.scale(-lr)))(lr=0.1), "batch")
+        lambda lr: optax.chain(MODULE_TRUST, optax.sgd(lr)))(lr=0.1)).init(params0())
+  init_sharded(jpack.optax.sharded(optax.inject_hyperparams(
+      lambda lr: optax.chain(optax.scale_by_adam(), optax.scale(-lr)))(lr=0.1), "batch"))
 
 
 def test_extra_update_arguments_reach_the_inner_optimizer():

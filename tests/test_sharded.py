@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpack
-from test_optax import assert_trees_close, loss, params0, per_leaf_pmean, run
+from test_optax import (assert_trees_close, init_sharded, loss, params0, per_leaf_pmean,
+                         run)
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
@@ -68,9 +69,10 @@ def test_global_norm_clipping_uses_the_whole_gradient():
              reduce=per_leaf_pmean)
   assert_trees_close(got, want)
   # Without the axis, each device would clip its own slice by its own norm: refused.
-  with pytest.raises(TypeError, match="without axis_name"):
-    jpack.optax.sharded(optax.chain(jpack.optax.clip_by_global_norm(clip), optax.sgd(0.1)),
-                        "batch")
+  with pytest.raises(TypeError, match="jpack.optax.clip_by_global_norm cannot run inside "
+                                      "jpack.optax.sharded: on each device's slice"):
+    init_sharded(jpack.optax.sharded(
+        optax.chain(jpack.optax.clip_by_global_norm(clip), optax.sgd(0.1)), "batch"))
 
 
 def test_masks_and_frozen_leaves_through_labels():
@@ -85,26 +87,44 @@ def test_masks_and_frozen_leaves_through_labels():
   np.testing.assert_array_equal(got["norm"]["scale"], params0()["norm"]["scale"])
 
 
-@pytest.mark.parametrize("inner", [
-    lambda: optax.clip_by_global_norm(1.0),
-    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
-    lambda: optax.lamb(1e-3),
-    lambda: optax.adafactor(1e-3),
-    lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-    lambda: optax.inject_hyperparams(optax.lars)(learning_rate=1e-3),
-    lambda: optax.chain(optax.contrib.normalize(), optax.sgd(0.1)),  # a slice's own norm
-    lambda: optax.MultiSteps(optax.lamb(1e-3), 2).gradient_transformation(),
-    lambda: optax.noisy_sgd(0.1, key=0),  # every slice would draw the same noise
-    lambda: optax.chain(optax.add_noise(0.1, 0.5, key=0), optax.sgd(0.1)),
-    lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)),  # per-slice NaN flags
-    lambda: optax.contrib.dog(),  # a distance over the whole parameters
+@pytest.mark.parametrize("inner,culprit", [
+    (lambda: optax.clip_by_global_norm(1.0), "optax.clip_by_global_norm"),
+    (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+     "optax.clip_by_global_norm"),
+    (lambda: optax.lamb(1e-3), "scale_by_trust_ratio"),
+    (lambda: optax.adafactor(1e-3), "scale_by_factored_rms"),
+    (lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+     "optax.masked"),
+    (lambda: optax.inject_hyperparams(optax.lars)(learning_rate=1e-3),
+     "scale_by_trust_ratio"),
+    (lambda: optax.chain(optax.contrib.normalize(), optax.sgd(0.1)), "normalize"),  # a slice's
+    (lambda: optax.MultiSteps(optax.lamb(1e-3), 2).gradient_transformation(),
+     "scale_by_trust_ratio"),
+    (lambda: optax.noisy_sgd(0.1, key=0), "add_noise"),  # each slice the same noise
+    (lambda: optax.chain(optax.add_noise(0.1, 0.5, key=0), optax.sgd(0.1)), "add_noise"),
+    (lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)), "zero_nans"),  # per-slice flags
+    (lambda: optax.contrib.dog(), "scale_by_dog"),  # a distance over the whole parameters
+    (lambda: optax.apply_if_finite(optax.adam(1e-3), 2), "apply_if_finite"),  # a slice's NaN
     # a measurement of the updates kept in the state: each device's slice's norm
-    lambda: optax.chain(optax.transforms.snapshot("norm", optax.tree.norm), optax.sgd(0.1)),
-    lambda: optax.transforms.monitor({"norm": optax.tree.norm}),
+    (lambda: optax.chain(optax.transforms.snapshot("norm", optax.tree.norm), optax.sgd(0.1)),
+     "snapshot"),
+    (lambda: optax.transforms.monitor({"norm": optax.tree.norm}), "stateless"),  # measures
+    (lambda: optax.polyak_sgd(max_learning_rate=0.5), "scale_by_polyak"),  # whole-gradient norm
 ])
-def test_unshardable_inner_transforms_are_refused(inner):
-  with pytest.raises(TypeError, match="cannot run inside jpack.optax.sharded"):
-    jpack.optax.sharded(inner(), "batch")
+def test_unshardable_inner_transforms_are_refused(inner, culprit):
+  with pytest.raises(TypeError, match=f"{culprit}.* cannot run inside jpack.optax.sharded: "
+                                      "on each device's slice"):
+    init_sharded(jpack.optax.sharded(inner(), "batch"))
+
+
+@pytest.mark.parametrize("make", [
+    # Per-coordinate, refused by name before.
+    lambda: optax.contrib.cocob(),
+    lambda: optax.contrib.sam(optax.sgd(0.05), optax.sgd(0.05)),
+])
+def test_per_coordinate_transforms_run_on_slices_like_optax(make):
+  got = run(jpack.optax.sharded(make(), "batch"), 20)
+  assert_trees_close(got, run(make(), 20, reduce=per_leaf_pmean), tol=5e-5)
 
 
 def _train(mesh, params, opt_state=None, steps=10, start=0, mode="sharded", optimizer=None,
@@ -262,9 +282,12 @@ def test_sharded_refuses_packed_updates_of_another_layout():
 
 def test_an_allreduce_inside_sharded_is_refused():
   # On ZeRO-1 slices it would add up different devices' slices.
-  with pytest.raises(TypeError, match="allreduce cannot run inside jpack.optax.sharded"):
-    jpack.optax.sharded(optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3)),
-                        "batch")
+  for inner in (optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3)),
+                jpack.optax.sharded(optax.sgd(0.1), "batch")):
+    with pytest.raises(TypeError, match=r"jpack.optax.(allreduce|sharded) cannot run inside "
+                                        r"jpack.optax.sharded: .*runs a collective over "
+                                        r"'batch'"):
+      init_sharded(jpack.optax.sharded(inner, "batch"))
 
 
 @pytest.mark.parametrize("params", [jnp.arange(40.0), [jnp.arange(40.0)],

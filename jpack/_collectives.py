@@ -177,7 +177,7 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   comm_dtype = _check_comm_dtype(comm_dtype)
-  n = _axis_size(axis_name)
+  n = axis_size(axis_name)
   op = "pmean" if mean else "psum"
   packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=n, op=op)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int, op=op)
@@ -310,7 +310,7 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
   Returns:
     ``tree`` as it is on ``root``, on every device.
   """
-  n = _axis_size(axis_name)
+  n = axis_size(axis_name)
   if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
     raise ValueError(f"root must be an int in [0, {n}) for axis {axis_name!r}, got {root!r}.")
   packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=1, op="broadcast")
@@ -370,8 +370,8 @@ def shard(packed: Packed, axis_name: AxisName) -> Shards:
   if not isinstance(packed, Packed):
     raise TypeError(f"shard() expects a jpack.Packed, got {type(packed).__name__}; pack "
                     "the tree first: jpack.pack(tree, num_shards=<axis size>).")
-  n = _axis_size(axis_name)
-  _check_shardable(packed.layout, n)
+  n = axis_size(axis_name)
+  check_shardable(packed.layout, n)
   k = lax.axis_index(axis_name)
   return Shards(tuple(lax.dynamic_slice_in_dim(x, k * (x.shape[0] // n), x.shape[0] // n)
                       for x in packed.buckets), packed.layout)
@@ -396,9 +396,9 @@ def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
     `Shards` holding the reduced slices; `jpack.all_gather` reassembles them.
   """
   comm_dtype = _check_comm_dtype(comm_dtype)
-  n = _axis_size(axis_name)
+  n = axis_size(axis_name)
   packed, _ = _to_packed(tree, layout, plan_options, num_shards=n, op="reduce_scatter")
-  _check_shardable(packed.layout, n)
+  check_shardable(packed.layout, n)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int or not mean,
                    op="reduce_scatter")
   scatter = [True] * len(packed.buckets)
@@ -419,7 +419,7 @@ def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
   """
   if not isinstance(shards, Shards):
     raise TypeError(f"all_gather() expects jpack.Shards, got {type(shards).__name__}.")
-  n = _axis_size(axis_name)
+  n = axis_size(axis_name)
   for i, (x, bucket) in enumerate(zip(shards.buckets, shards.layout.buckets)):
     if x.shape[0] * n != bucket.size:
       raise ValueError(
@@ -503,7 +503,7 @@ def assert_same_layout(layout: Layout) -> None:
         "param shapes, dtypes and plan options, or collectives would mix unrelated buffers.")
 
 
-def _axis_size(axis_name: AxisName) -> int:
+def axis_size(axis_name: AxisName) -> int:
   try:
     return int(lax.axis_size(axis_name))
   except NameError as e:
@@ -563,7 +563,7 @@ def _check_reducible(layout: Layout, *, mean: bool, allow_int: bool, op: str) ->
                       f" cast it to a float, or keep it out of the tree.")
 
 
-def _check_shardable(layout: Layout, n: int) -> None:
+def check_shardable(layout: Layout, n: int) -> None:
   for i, bucket in enumerate(layout.buckets):
     if bucket.size % n:
       raise ValueError(f"Bucket {i} has {bucket.size} elements, which do not split evenly "

@@ -93,3 +93,12 @@ def replicated(array: Any) -> Any:
   if sharding is None or not any(sharding.spec):
     return array
   return jax.sharding.reshard(array, jax.sharding.NamedSharding(sharding.mesh, jax.P()))
+
+
+def sum_of_squares(xs: Any) -> jax.Array:
+  """Sum of ``|x|**2`` over arrays, in at least f32 (complex parts both counted)."""
+  def one(x):
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.sum(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
+
+  return sum((one(x) for x in xs), jnp.float32(0))

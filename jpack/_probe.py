@@ -83,6 +83,7 @@ import numpy as np
 import optax
 
 from jpack._internal import is_key_dtype
+from jpack._labels import labelled, multi_transform, with_extra_args
 from jpack._layout import Layout, plan
 
 _BIG_DIM = 128  # the two largest dims of a miniature leaf; optax factors from 128 on
@@ -276,15 +277,13 @@ def _buckets(tree: dict[str, np.ndarray], layout: Layout, devices: int) -> tuple
 def _transformations(inner: Any, mini: _Mini):
   """(``inner`` on the miniature tree, ``inner`` as jpack runs it on its buckets), or
   None when a bucket label has no transformation (``init`` names it)."""
-  # _transforms imports this module, so its helpers are imported when first needed.
-  from jpack._transforms import _labelled, _multi_transform, _with_extra_args
   if not isinstance(inner, Mapping):
-    return _with_extra_args(inner), _labelled(inner, mini.layout)
+    return with_extra_args(inner), labelled(inner, mini.layout)
   key_of = {str(k): k for k in inner}
   if any(str(leaf.label) not in key_of for leaf in mini.spec):
     return None
   labels = {k: key_of[str(leaf.label)] for k, leaf in zip(sorted(mini.params), mini.spec)}
-  return _multi_transform(inner, labels), _labelled(inner, mini.layout)
+  return multi_transform(inner, labels), labelled(inner, mini.layout)
 
 
 def _steps(tx: Any, params: Any, grads: tuple, extra: bool) -> tuple[list, Any]:

@@ -7,6 +7,7 @@ local slices, so per-device optimizer memory is ~1/N of the replicated state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Mapping
@@ -17,31 +18,40 @@ import numpy as np
 import optax
 from jax import lax
 
-from jpack._collectives import (Shards, _axis_size, _check_shardable, all_gather,
+from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
                                 reduce_scatter, shard)
+from jpack._internal import sum_of_squares
+from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
 from jpack._layout import Layout, check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
 from jpack._probe import checker
-from jpack._transforms import (Inner, Labels, _after_all, _check_inner, _group_fn_for,
-                               _labelled, _LayoutState, _pack_like, _retyped,
-                               _unpack_as_returned)
+from jpack._transforms import (after, layout_state_repr, pack_like, retyped,
+                               unpack_as_returned, value_scalars)
 
 
-@jax.tree_util.register_pytree_node_class
-class ShardedState(_LayoutState):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedState:
   """State of `sharded`.
 
-  A pytree (not a NamedTuple) because it carries the static `Layout` of the buckets,
-  which `gather_state` / `scatter_state` need to convert checkpoints.
+  A pytree whose static field is the `Layout` of the buckets, which `gather_state` /
+  `scatter_state` need to convert checkpoints.
 
   Attributes:
     inner_state: ``inner``'s state for this device's slices of the buckets. Seen from
       outside ``shard_map`` (as global arrays), each slice-shaped leaf is the full
       bucket, sharded over the devices.
     layout: the static bucket `Layout` (planned with ``num_shards`` = axis size).
+    grad_norm: the global norm of the reduced gradient of the last update (for logging).
   """
 
-  __slots__ = ()
+  inner_state: optax.OptState
+  layout: Layout = dataclasses.field(metadata=dict(static=True))
+  grad_norm: jax.Array = dataclasses.field(
+      default_factory=lambda: jnp.zeros((), jnp.float32))
+
+  def __repr__(self) -> str:
+    return layout_state_repr(self)
 
 
 def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: Any = None,
@@ -51,11 +61,18 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   Use inside `jax.shard_map` / `jax.pmap` over ``axis_name``, on per-device (not yet
   averaged) gradients: do not put `allreduce` before it. ``update`` takes a tree, a
   `jpack.Packed`, or already reduced `jpack.Shards` (skips the reduce-scatter), and
-  returns updates of the same kind (`Shards` in -> full `Packed` out). If both the
-  updates and ``params`` are `Shards` (this device's slices, from `jpack.shard`), the
-  updates come back as `Shards` without the all-gather: apply them to the slices and
-  `jpack.all_gather` the new params, which saves one full-size pass per step (this is
-  what ``jpack.data_parallel(mode="sharded")`` does).
+  returns updates of the same kind (`Shards` in -> full `Packed` out). If ``params`` are
+  `Shards` (this device's slices, from `jpack.shard`), the updates come back as `Shards`
+  without the all-gather: apply them to the slices and `jpack.all_gather` the new
+  params, which saves one full-size pass per step (what
+  ``jpack.data_parallel(mode="sharded")`` does)::
+
+    local = jpack.shard(params, "batch")                 # params: a jpack.Packed
+    updates, opt_state = tx.update(grads, opt_state, local)
+    params = jpack.all_gather(optax.apply_updates(local, updates), "batch")
+
+  The reduced gradients are computed after every bucket and after ``value`` (the loss,
+  if given), so XLA need not copy donated parameters to protect the backward pass.
 
   Args:
     inner: an elementwise optax transformation (sgd, momentum, adam, adamw, lion, a
@@ -86,7 +103,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     >>> import optax, jpack
     >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
   """
-  _check_inner(inner, labels)
+  check_inner(inner, labels)
   check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
   check = checker(inner, on="slices", axis_name=axis_name,
                   where="inside jpack.optax.sharded")
@@ -94,48 +111,46 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   def layout_for(tree, n):
     if isinstance(tree, (Packed, Shards)):
       return tree.layout
-    return plan(tree, group_fn=_group_fn_for(tree, labels), **{**plan_options,
+    return plan(tree, group_fn=group_fn_for(tree, labels), **{**plan_options,
                                                                "num_shards": n})
 
   def init_fn(params):
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name)
     layout = layout_for(params, n)
-    _check_shardable(layout, n)
+    check_shardable(layout, n)
     if isinstance(params, Shards):  # already this device's slices
       local = params
     else:
       local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
     check(layout)  # on a miniature of the params: compares slices with the tree
-    return ShardedState(_labelled(inner, layout).init(local.buckets), layout)
+    return ShardedState(labelled(inner, layout).init(local.buckets), layout)
 
   def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
-    packed = _pack_like(updates, layout, "updates")
+    packed = pack_like(updates, layout, "updates")
     if isinstance(packed, Shards):
       grads = packed
     else:
       grads = reduce_scatter(packed, axis_name, mean=True, comm_dtype=comm_dtype)
-    grads = _after_all(grads)  # no per-step copy of donated parameter buckets
+    norm = jnp.sqrt(lax.psum(sum_of_squares(grads.buckets), axis_name))
+    grads = after(grads, norm, *value_scalars(extra_args.get("value")))
     local_params = None
     if params is not None:
-      local_params = _pack_like(params, layout, "params")
+      local_params = pack_like(params, layout, "params")
       if not isinstance(local_params, Shards):
         local_params = shard(local_params, axis_name)
       local_params = local_params.buckets
-    new, inner_state = _labelled(inner, layout).update(grads.buckets, state.inner_state,
+    new, inner_state = labelled(inner, layout).update(grads.buckets, state.inner_state,
                                                        local_params, **extra_args)
-    if isinstance(updates, Shards) and isinstance(params, Shards):
+    if isinstance(params, Shards):
       # The caller applies the updates to its slice and all-gathers the new params:
       # one full-size pass fewer than gathering updates and adding them everywhere.
-      return Shards(tuple(new), layout), ShardedState(inner_state, layout)
+      return Shards(tuple(new), layout), ShardedState(inner_state, layout, norm)
     full = all_gather(Shards(tuple(new), layout), axis_name)
     if isinstance(updates, (Packed, Shards)):
-      return full, ShardedState(inner_state, layout)
-    return _unpack_as_returned(full), ShardedState(inner_state, layout)
+      return full, ShardedState(inner_state, layout, norm)
+    return unpack_as_returned(full), ShardedState(inner_state, layout, norm)
 
-  # data_parallel and sharded itself refuse it inside: they reduce the gradients already,
-  # and a second reduce-scatter would add up different devices' slices.
-  update_fn.jpack_reducer = "sharded"
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -163,25 +178,14 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    squares = _sum_of_squares(jax.tree.leaves(updates))
+    squares = sum_of_squares(jax.tree.leaves(updates))
     if axis_name is not None:
       squares = lax.psum(squares, axis_name)
     norm = jnp.sqrt(squares)
     scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
     return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
 
-  update_fn.global_norm_axis_name = axis_name  # `sharded` refuses None: a slice's norm
-  # data_parallel refuses an axis where every device holds the whole gradient.
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _sum_of_squares(xs: Any) -> jax.Array:
-  """Sum of ``|x|**2`` over arrays, in at least f32 (complex parts both counted)."""
-  def one(x):
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return jnp.sum(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
-
-  return sum((one(x) for x in xs), jnp.float32(0))
 
 
 # -- checkpoints -----------------------------------------------------------------------
@@ -218,7 +222,7 @@ def gather_state(state: ShardedState) -> Any:
     buckets = tuple(np.zeros(b.size, b.dtype) if _is_masked(a) else _to_host(a)
                     for a, b in zip(x, layout.buckets))
     # Moments may have another float dtype than the params (adam(mu_dtype=...)).
-    leaves = layout.treedef.flatten_up_to(_unpack_as_returned(Packed(buckets, layout)))
+    leaves = layout.treedef.flatten_up_to(unpack_as_returned(Packed(buckets, layout)))
     return layout.treedef.unflatten(
         optax.MaskedNode() if _is_masked(x[slot.bucket]) else leaf
         for slot, leaf in zip(layout.slots, leaves))
@@ -314,10 +318,10 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
             f"Bucket {b} of the new layout mixes leaves the saved state masks and leaves it "
             "does not: plan the new run with the same labels= as the saved one.")
       buckets.append(flags == {True})
-    retyped = _retyped(layout, dtypes)
+    new_layout = retyped(layout, dtypes)
     zeros = [jnp.zeros(s.shape, s.dtype) if m else v
-             for s, v, m in zip(retyped.slots, leaves, masked)]
-    packed = pack(params_def.unflatten(zeros), retyped).buckets
+             for s, v, m in zip(new_layout.slots, leaves, masked)]
+    packed = pack(params_def.unflatten(zeros), new_layout).buckets
     return tuple(optax.MaskedNode() if m else p for p, m in zip(packed, buckets))
 
   # Where the new run's state holds a tuple of buckets, the saved one holds a params
@@ -366,10 +370,10 @@ def state_bytes_per_device(state: ShardedState, num_devices: int) -> int:
 
   Returns:
     Bytes per device: ``1/num_devices`` of every bucket-shaped leaf plus every scalar
-    (step counts), which each device holds whole.
+    (step counts, the gradient norm), which each device holds whole.
   """
   total = 0
-  for x in jax.tree.leaves(state.inner_state):
+  for x in jax.tree.leaves(state):
     nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
     total += nbytes // num_devices if x.ndim else nbytes
   return total

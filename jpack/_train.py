@@ -12,16 +12,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpack._collectives import (all_gather, assert_same_layout, broadcast, pmean,
-                                reduce_scatter, shard, vary)
-from jpack._internal import dtype_name
-from jpack._layout import Layout, plan
 from jpack import _cpu as cpu
+from jpack._collectives import all_gather, assert_same_layout, broadcast, shard, vary
+from jpack._internal import dtype_name
+from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
+from jpack._layout import Layout, plan
 from jpack._pack import Packed, flatten_like, pack, unpack
-from jpack._sharded import ShardedState, _sum_of_squares, sharded
 from jpack._probe import checker
-from jpack._transforms import (Labels, _after, _check_inner, _firsts, _group_fn_for,
-                               _multi_transform, _with_extra_args, flat)
+from jpack._sharded import ShardedState, sharded
+from jpack._transforms import after, allreduce, firsts, flat
 
 MODES = ("allreduce", "packed", "sharded")
 
@@ -78,12 +77,16 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     mesh: a 1-D `jax.sharding.Mesh` whose axis is ``axis_name`` (default: all devices);
       other axes of size 1 are allowed, larger ones are refused.
     axis_name: the data-parallel axis.
-    mode: how gradients are reduced:
-      ``"packed"`` (default) params live as a `jpack.Packed`; the loss unpacks them, so
-      gradients arrive packed (no per-step pack) and the optimizer updates the buckets.
-      ``"allreduce"`` params stay a tree; `jpack.pmean` packs the gradients, reduces
-      them bucket by bucket and unpacks them for the optimizer.
-      ``"sharded"`` ZeRO-1 (`jpack.optax.sharded`) on packed params.
+    mode: which optax transformation the step runs:
+      ``"packed"`` (default): params live as a `jpack.Packed`; the loss unpacks them, so
+      gradients arrive packed (no per-step pack), and the step runs
+      ``optax.chain(jpack.optax.allreduce(axis_name), jpack.optax.flat(optimizer))``
+      on the buckets.
+      ``"allreduce"``: params stay a tree, and the step runs
+      ``optax.chain(jpack.optax.allreduce(axis_name), optimizer)``, which packs the
+      gradients, reduces them bucket by bucket and unpacks them for the optimizer.
+      ``"sharded"``: ZeRO-1, ``jpack.optax.sharded(optimizer, axis_name)`` on packed
+      params; each device updates its slice and the new params are all-gathered.
     labels: per-leaf labels (a tree like the params or a prefix of it, or
       ``params -> tree``) choosing
       each leaf's optimizer from the dict ``optimizer``, as in
@@ -122,45 +125,22 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                      f"{dict(mesh.shape)} also has axes {others} of size > 1. Pass a mesh "
                      f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
                      f"({axis_name!r},)).")
-  _check_inner(optimizer, labels)
+  check_inner(optimizer, labels)
   if "group_fn" in plan_options:
     raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
                     "label itself (pass labels= with a dict of optimizers, or a plain "
                     "optimizer).")
   n = mesh.shape[axis_name]
-  layout = plan(params_like, group_fn=_group_fn_for(params_like, labels),
-                **{"num_shards": n, **plan_options})
+  plan_options = {"num_shards": n, **plan_options}
+  layout = plan(params_like, group_fn=group_fn_for(params_like, labels), **plan_options)
   _check_trainable(layout)
   # On a miniature of the params: the optimizer on buckets or slices against the tree,
   # and no collective over the axis where every device holds the whole gradient.
   checker(optimizer, on={"packed": "buckets", "sharded": "slices"}.get(mode, "tree"),
           axis_name=axis_name, where=f"inside data_parallel's optimizer (mode={mode!r})",
           instead="mode='allreduce', which runs it on the params tree")(layout)
+  tx = _transformation(mode, optimizer, labels, axis_name, comm_dtype, plan_options)
   packed_params = mode in ("packed", "sharded")
-  if mode == "sharded":
-    tx = sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
-                 **{"num_shards": n, **plan_options})
-  elif mode == "packed" and isinstance(optimizer, Mapping):
-    tx = flat(optimizer, labels=labels)  # params are Packed: it runs on their buckets
-  elif isinstance(optimizer, Mapping):
-    tx = _multi_transform(optimizer, labels)
-  else:
-    tx = optimizer
-  # Every update gets value=loss (the mean over devices), as optax's reduce_on_plateau
-  # and polyak_sgd need; transformations that take no extra arguments drop it.
-  tx = _with_extra_args(tx)
-
-  def reduce_grads(grads):
-    """The mean gradients and their global norm."""
-    packed_in = isinstance(grads, Packed)
-    reduced = pmean(grads if packed_in else pack(grads, layout), axis_name,
-                    comm_dtype=comm_dtype)
-    # The norm of the few buckets (zero padding adds nothing), not of every leaf: a
-    # reduction per leaf cost ~10 % of an MLP 40x256 step.
-    norm = jnp.sqrt(_sum_of_squares(reduced.buckets))
-    if packed_in:
-      return reduced, norm
-    return unpack(reduced), norm
 
   def local_init(params):
     params = broadcast(params, axis_name, root=root, layout=layout)
@@ -170,29 +150,23 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   def local_step(state, batch):
     def loss_of(p):
-      if packed_params:
-        p = unpack(p)
-      return loss_fn(p, batch)
+      return loss_fn(unpack(p) if packed_params else p, batch)
 
     # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
-    # inserted by shard_map's autodiff) until jpack reduces them in buckets.
+    # inserted by shard_map's autodiff) until the transformation reduces them in buckets.
     value, grads = jax.value_and_grad(loss_of, has_aux=has_aux)(vary(state.params, axis_name))
     loss, aux = value if has_aux else (value, None)
     loss, aux = lax.pmean((loss, _aux_to_mean(aux)), axis_name)
+    # Metrics may read the params: computed before any update (the transformations
+    # order their updates after the gradients and the loss), no donated param is copied.
+    grads = after(grads, *firsts(aux))
+    # ZeRO-1 updates this device's slice of the params, then gathers the new params.
+    target = shard(state.params, axis_name) if mode == "sharded" else state.params
+    updates, opt_state = tx.update(grads, state.opt_state, target, value=loss)
+    params = optax.apply_updates(target, updates)
     if mode == "sharded":
-      shards = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
-      grad_norm = jnp.sqrt(lax.psum(_sum_of_squares(shards.buckets), axis_name))
-      shards = _after(shards, grad_norm, loss, *_firsts(aux))
-      local = shard(state.params, axis_name)
-      updates, opt_state = tx.update(shards, state.opt_state, local, value=loss)
-      params = all_gather(optax.apply_updates(local, updates), axis_name)
-    else:
-      grads, grad_norm = reduce_grads(grads)
-      if mode in ("packed", "allreduce"):
-        grads = _after(grads, grad_norm, loss, *_firsts(aux))
-      updates, opt_state = tx.update(grads, state.opt_state, state.params, value=loss)
-      params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": grad_norm}
+      params = all_gather(params, axis_name)
+    metrics = {"loss": loss, "grad_norm": _grad_norm(opt_state)}
     if has_aux:
       metrics["aux"] = aux
     return TrainState(params, opt_state, state.step + 1), metrics
@@ -257,6 +231,27 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
   return DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout)
+
+
+def _transformation(mode: str, optimizer: Any, labels: Labels, axis_name: str,
+                    comm_dtype: Any, plan_options: Mapping[str, Any]
+                    ) -> optax.GradientTransformationExtraArgs:
+  """The mode's optax transformation."""
+  if mode == "sharded":
+    return sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
+                   **plan_options)
+  if mode == "packed":  # packed gradients: the optimizer runs on their buckets
+    update = flat(optimizer, labels=labels)
+  elif isinstance(optimizer, Mapping):
+    update = multi_transform(optimizer, labels)
+  else:
+    update = with_extra_args(optimizer)
+  return optax.chain(allreduce(axis_name, comm_dtype=comm_dtype, **plan_options), update)
+
+
+def _grad_norm(opt_state: Any) -> jax.Array:
+  """The global norm of the mean gradient, kept by `sharded` or by `allreduce`."""
+  return opt_state.grad_norm if isinstance(opt_state, ShardedState) else opt_state[0].grad_norm
 
 
 def _check_trainable(layout: Layout) -> None:

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jpack._collectives import pmean, psum
+from jpack._collectives import axis_size, pmean, psum
+from jpack._internal import sum_of_squares
 from jpack._layout import Layout, check_plan_options, plan
 from jpack._pack import Packed, pack, unpack
+from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
 from jpack._probe import checker
 
-Labels = Union[Callable[[Any], Any], Any, None]
-Inner = Union[optax.GradientTransformation, Mapping[str, optax.GradientTransformation]]
 
 
 def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
@@ -26,9 +25,13 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
               **plan_options: Any) -> optax.GradientTransformation:
   """All-reduce the incoming updates over ``axis_name``, packed into a few buckets.
 
-  Stateless; put it first in a chain, inside `jax.shard_map` or `jax.pmap`:
+  Put it first in a chain, inside `jax.shard_map` or `jax.pmap`:
   ``optax.chain(jpack.optax.allreduce("batch"), optax.adamw(1e-3))``. Updates may be a
   tree (packed and unpacked around the collectives) or a `jpack.Packed` (used as is).
+  Its state keeps the global norm of the reduced updates (computed on the buckets), for
+  logging. The reduced updates are computed after that norm and after ``value`` (the
+  loss, if the chain is given one): the backward pass has then read every weight
+  before any is updated, so XLA need not copy donated parameters to protect them.
 
   Args:
     axis_name: the data-parallel mesh / pmap axis.
@@ -40,7 +43,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     **plan_options: options for `jpack.plan`.
 
   Returns:
-    An `optax.GradientTransformation` with `optax.EmptyState`.
+    An `optax.GradientTransformationExtraArgs` whose state is an `AllReduceState`.
 
   Examples:
     >>> import optax, jpack
@@ -51,21 +54,38 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
 
   def init_fn(params):
     del params
-    return optax.EmptyState()
+    return AllReduceState(jnp.zeros((), jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    options = {} if isinstance(updates, Packed) else dict(plan_options)
-    if mean:
-      options["allow_int"] = allow_int
-    return reduce(updates, axis_name, comm_dtype=comm_dtype, method=method,
-                  **options), state
+    del params, state
+    packed = updates
+    if not isinstance(updates, Packed):
+      packed = pack(updates, **{"num_shards": axis_size(axis_name), **plan_options})
+    options = {"allow_int": allow_int} if mean else {}
+    reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
+    norm = jnp.sqrt(sum_of_squares(reduced.buckets))  # zero padding adds nothing
+    reduced = after(reduced, norm, *value_scalars(extra_args.get("value")))
+    # Static slices: in a step they fuse into the optimizer's update.
+    out = reduced if isinstance(updates, Packed) else unpack(reduced)
+    return out, AllReduceState(norm)
 
-  update_fn.jpack_reducer = "allreduce"  # data_parallel / sharded refuse a second reduce
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _after(tree: Any, *scalars: jax.Array) -> Any:
+class AllReduceState(NamedTuple):
+  """State of `allreduce`."""
+  grad_norm: jax.Array  # global norm of the reduced updates of the last update
+
+
+def value_scalars(value: Any) -> list[jax.Array]:
+  """``value`` (an extra update argument, usually the loss) as scalars to order after."""
+  if value is None:
+    return []
+  return [jnp.real(x.reshape(-1)[0]) for x in jax.tree.leaves(value)
+          if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+
+
+def after(tree: Any, *scalars: jax.Array) -> Any:
   """``tree`` unchanged, but each of its arrays computed after ``scalars``.
 
   Reduced bucket by bucket, the gradient of the last layer is ready while the backward
@@ -88,52 +108,41 @@ def _after(tree: Any, *scalars: jax.Array) -> Any:
   return jax.tree.map(depend, tree)
 
 
-def _after_all(tree: Any) -> Any:
-  """`_after` every array of ``tree``: each depends on one element of every other."""
-  return _after(tree, *_firsts(tree))
+def after_all(tree: Any, *scalars: jax.Array) -> Any:
+  """`after` every array of ``tree`` and ``scalars``: each array depends on one element
+  of every other."""
+  return after(tree, *firsts(tree), *scalars)
 
 
-def _firsts(tree: Any) -> list[jax.Array]:
+def firsts(tree: Any) -> list[jax.Array]:
   """One element of every non-empty floating array of ``tree``: enough to depend on it."""
   return [jnp.real(x.reshape(-1)[0]) for x in jax.tree.leaves(tree)
           if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
 
 
-class _LayoutState:
-  """Pytree plumbing shared by `FlatState` and `ShardedState`: one child, the inner
-  optimizer's state; static data, the bucket `Layout`."""
-
-  __slots__ = ("inner_state", "layout")
-
-  def __init__(self, inner_state: optax.OptState, layout: Layout):
-    self.inner_state = inner_state
-    self.layout = layout
-
-  def tree_flatten(self):
-    return (self.inner_state,), self.layout
-
-  @classmethod
-  def tree_unflatten(cls, layout, children):
-    return cls(children[0], layout)
-
-  def __repr__(self) -> str:
-    return (f"{type(self).__name__}(layout={self.layout.fingerprint}, "
-            f"inner_state={self.inner_state!r})")
-
-
-@jax.tree_util.register_pytree_node_class
-class FlatState(_LayoutState):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlatState:
   """State of `flat`.
 
-  A pytree (not a NamedTuple) because it carries the static `Layout` of the buckets:
-  updates packed with another layout are refused instead of mixing up leaves' moments.
+  A pytree whose static field is the `Layout` of the buckets: updates packed with
+  another layout are refused instead of mixing up leaves' moments.
 
   Attributes:
     inner_state: ``inner``'s state on the tuple of buckets.
     layout: the static bucket `Layout` the state was initialised with.
   """
 
-  __slots__ = ()
+  inner_state: optax.OptState
+  layout: Layout = dataclasses.field(metadata=dict(static=True))
+
+  def __repr__(self) -> str:
+    return layout_state_repr(self)
+
+
+def layout_state_repr(state: Any) -> str:
+  return (f"{type(state).__name__}(layout={state.layout.fingerprint}, "
+          f"inner_state={state.inner_state!r})")
 
 
 def flat(inner: Inner, *, labels: Labels = None,
@@ -181,25 +190,27 @@ def flat(inner: Inner, *, labels: Labels = None,
     >>> updates["w"].shape
     (2, 2)
   """
-  _check_inner(inner, labels)
+  check_inner(inner, labels)
   check_plan_options(plan_options, "jpack.optax.flat")
   check = checker(inner, on="buckets", where="inside jpack.optax.flat")
 
   def init_fn(params):
     packed = _pack(params, labels, plan_options)
-    tx = _labelled(inner, packed.layout)
+    tx = labelled(inner, packed.layout)
     check(packed.layout)  # on a miniature of the params: compares buckets with the tree
     return FlatState(tx.init(packed.buckets), packed.layout)
 
   def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
     was_packed = isinstance(updates, Packed)
-    packed = _after_all(_pack_like(updates, layout, "updates"))  # no copies of donated params
-    flat_params = None if params is None else _pack_like(params, layout, "params").buckets
-    new, inner_state = _labelled(inner, layout).update(packed.buckets, state.inner_state,
+    # Computed after every bucket and the loss: no copies of donated params.
+    packed = after_all(pack_like(updates, layout, "updates"),
+                       *value_scalars(extra_args.get("value")))
+    flat_params = None if params is None else pack_like(params, layout, "params").buckets
+    new, inner_state = labelled(inner, layout).update(packed.buckets, state.inner_state,
                                                        flat_params, **extra_args)
     out = Packed(tuple(new), layout)
-    return (out if was_packed else _unpack_as_returned(out)), FlatState(inner_state, layout)
+    return (out if was_packed else unpack_as_returned(out)), FlatState(inner_state, layout)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -207,36 +218,13 @@ def flat(inner: Inner, *, labels: Labels = None,
 # -- shared with the sharded optimizer -------------------------------------------------
 
 
-def _group_fn_for(tree: Any, labels: Labels):
-  """A `plan` group_fn that returns each leaf's label from ``labels``."""
-  if labels is None:
-    return None
-  label_tree = labels(tree) if callable(labels) else labels
-  error = ValueError(
-      "labels must have the tree structure of the params (one label per leaf) or a prefix "
-      "of it (one label for a whole subtree), as in optax.multi_transform; got "
-      f"{jax.tree.structure(label_tree)} for params {jax.tree.structure(tree)}.")
-  try:  # a prefix gives every leaf of its subtree the same label, as optax does
-    label_tree = jax.tree.map(lambda label, sub: jax.tree.map(lambda _: label, sub),
-                              label_tree, tree)
-  except (ValueError, TypeError):
-    raise error from None
-  flat_labels = jax.tree.leaves(label_tree)
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  if len(flat_labels) != len(paths) or jax.tree.structure(label_tree) != jax.tree.structure(
-      jax.tree.map(lambda _: 0, tree)):
-    raise error
-  by_path = dict(zip(paths, flat_labels))
-  return lambda path, leaf: by_path[path]
-
-
 def _pack(tree: Any, labels: Labels, plan_options: Mapping[str, Any], **extra) -> Packed:
   if isinstance(tree, Packed):
     return tree
-  return pack(tree, plan(tree, group_fn=_group_fn_for(tree, labels), **plan_options, **extra))
+  return pack(tree, plan(tree, group_fn=group_fn_for(tree, labels), **plan_options, **extra))
 
 
-def _unpack_as_returned(packed: Packed) -> Any:
+def unpack_as_returned(packed: Packed) -> Any:
   """Unpack buckets an inner optimizer returned, each leaf in its bucket's float dtype.
   Like optax on the tree, some optimizers return wider updates than the params
   (adam(mu_dtype=jnp.float32) or a float32 hyperparameter on bf16 params: float32
@@ -257,18 +245,18 @@ def _unpack_as_returned(packed: Packed) -> Any:
           "out of the optimizer: labels= with optax.set_to_zero() for them (integer "
           "counters, frozen tables), or out of the params.")
   if changed:
-    layout = _retyped(layout, dtypes)
+    layout = retyped(layout, dtypes)
   return unpack(Packed(packed.buckets, layout))
 
 
-def _retyped(layout: Layout, dtypes: list[np.dtype]) -> Layout:
+def retyped(layout: Layout, dtypes: list[np.dtype]) -> Layout:
   """``layout`` with bucket i (and its leaves) of ``dtypes[i]``: same element offsets."""
   slots = tuple(slot._replace(dtype=dtypes[slot.bucket]) for slot in layout.slots)
   buckets = tuple(dataclasses.replace(b, dtype=d) for b, d in zip(layout.buckets, dtypes))
   return dataclasses.replace(layout, slots=slots, buckets=buckets)
 
 
-def _pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:
+def pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:
   """``tree`` packed with ``layout``; a `Packed` (or `Shards`) must already use it."""
   if not hasattr(tree, "layout"):
     return pack(tree, layout)
@@ -279,71 +267,3 @@ def _pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:
         "their buckets would pair different leaves. Pack them with the state's layout "
         f"(state.layout), or pass the {what} as a tree.")
   return tree
-
-
-def _with_extra_args(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """``tx`` taking optax's extra update arguments (``value=`` for polyak_sgd or
-  reduce_on_plateau). `optax.with_extra_args_support` drops them for every plain
-  `GradientTransformation`, even one whose update takes ``**extra_args`` and passes them
-  on, as ``optax.MultiSteps(...).gradient_transformation()`` does: that one gets them."""
-  if isinstance(tx, optax.GradientTransformationExtraArgs):
-    return tx
-  try:
-    takes_them = any(p.kind is inspect.Parameter.VAR_KEYWORD
-                     for p in inspect.signature(tx.update).parameters.values())
-  except (TypeError, ValueError):  # no signature to read (a builtin): assume not
-    takes_them = False
-  if takes_them:
-    return optax.GradientTransformationExtraArgs(tx.init, tx.update)
-  return optax.with_extra_args_support(tx)
-
-
-def _multi_transform(transforms: Mapping[Any, optax.GradientTransformation],
-                     labels: Any) -> optax.GradientTransformationExtraArgs:
-  """`optax.multi_transform` whose transforms all receive the extra update arguments."""
-  return optax.multi_transform({k: _with_extra_args(v) for k, v in transforms.items()},
-                               labels)
-
-
-def _labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtraArgs:
-  """``inner`` as one transformation over the tuple of buckets, taking optax's extra
-  update arguments (``value=`` for polyak_sgd or reduce_on_plateau) like a chain does."""
-  if not isinstance(inner, Mapping):
-    return _with_extra_args(inner)
-  bucket_labels = tuple(b.group[1] for b in layout.buckets)
-  missing = sorted({str(x) for x in bucket_labels} - {str(k) for k in inner})
-  if missing:
-    hint = ""
-    if any(x is None for x in bucket_labels):
-      hint = (" Buckets labelled None come from a layout planned without a group_fn: a "
-              "Packed carries its own layout, so plan it with the labels (e.g. "
-              "jpack.plan(params, group_fn=lambda path, leaf: label_of[path])), or pass "
-              "the params as a tree with labels=.")
-    raise ValueError(f"labels {missing} have no transformation; inner has "
-                     f"{sorted(inner)}.{hint}")
-  # A layout keeps labels as str (it is hashed and compared across processes); the state
-  # keeps the user's keys (True, 0, ...), as optax.multi_transform(inner, labels) does.
-  key_of: dict[str, Any] = {}
-  for k in inner:
-    if str(k) in key_of:
-      raise ValueError(f"labels {key_of[str(k)]!r} and {k!r} are the same label to a jpack "
-                       "layout, which keeps labels as str: rename one.")
-    key_of[str(k)] = k
-  return _multi_transform(dict(inner),
-                          lambda buckets: tuple(key_of[str(x)] for x in bucket_labels))
-
-
-def _check_inner(inner: Inner, labels: Labels) -> None:
-  if isinstance(inner, Mapping):
-    if labels is None:
-      raise TypeError("inner is a dict of transformations, so labels= is required to say "
-                      "which leaves each one updates.")
-    for k, v in inner.items():
-      if not isinstance(v, optax.GradientTransformation):
-        raise TypeError(f"inner[{k!r}] is a {type(v).__name__}, expected an "
-                        "optax.GradientTransformation.")
-  elif not isinstance(inner, optax.GradientTransformation):
-    hint = (" (for optax.MultiSteps, pass its .gradient_transformation())"
-            if hasattr(inner, "gradient_transformation") else "")
-    raise TypeError(f"inner must be an optax.GradientTransformation (or a dict of them with "
-                    f"labels=), got {type(inner).__name__}{hint}.")

@@ -6,11 +6,13 @@ from jpack._sharded import gather_state as gather_state
 from jpack._sharded import scatter_state as scatter_state
 from jpack._sharded import sharded as sharded
 from jpack._sharded import state_bytes_per_device as state_bytes_per_device
+from jpack._transforms import AllReduceState as AllReduceState
 from jpack._transforms import FlatState as FlatState
 from jpack._transforms import allreduce as allreduce
 from jpack._transforms import flat as flat
 
 __all__ = [
+    "AllReduceState",
     "FlatState",
     "ShardedState",
     "allreduce",

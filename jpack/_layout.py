@@ -40,6 +40,12 @@ DEFAULT_SOLO_BYTES: int | None = 2**20
 
 GroupFn = Callable[[str, Any], Hashable]
 
+# What to do with a model object that mixes arrays with functions and settings.
+PARTITION_HINT = ("A model that mixes arrays with functions and settings, such as an Equinox "
+                  "module, must be split first: params, static = eqx.partition(model, "
+                  "eqx.is_inexact_array); pass params, and rebuild the model in loss_fn with "
+                  "eqx.combine(params, static).")
+
 
 class Slot(NamedTuple):
   """Where one leaf lives (a `NamedTuple`: ``plan`` builds thousands of them).
@@ -525,7 +531,7 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
     raise TypeError(
         f"Leaf at {where(path)} is a {type(leaf).__name__}, not an array: jpack packs "
         "jax/numpy arrays, Python scalars and jax.ShapeDtypeStruct. Convert it, or mark "
-        "it static (e.g. keep it out of the tree or use None).")
+        "it static (e.g. keep it out of the tree or use None). " + PARTITION_HINT)
   dtype = _checked_dtype(leaf.dtype, path)
   if isinstance(leaf, (np.ndarray, np.generic)):  # np.memmap too: any subclass
     if isinstance(leaf, np.ma.MaskedArray):

@@ -16,7 +16,7 @@ from jpack import _cpu as cpu
 from jpack._collectives import all_gather, assert_same_layout, broadcast, shard, vary
 from jpack._internal import dtype_name
 from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
-from jpack._layout import Layout, plan
+from jpack._layout import PARTITION_HINT, Layout, plan
 from jpack._pack import Packed, flatten_like, pack, unpack
 from jpack._probe import checker
 from jpack._sharded import ShardedState, sharded
@@ -126,6 +126,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                      f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
                      f"({axis_name!r},)).")
   check_inner(optimizer, labels)
+  _check_not_flax_variables(params_like)
   if "group_fn" in plan_options:
     raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
                     "label itself (pass labels= with a dict of optimizers, or a plain "
@@ -254,6 +255,19 @@ def _grad_norm(opt_state: Any) -> jax.Array:
   return opt_state.grad_norm if isinstance(opt_state, ShardedState) else opt_state[0].grad_norm
 
 
+def _check_not_flax_variables(params_like: Any) -> None:
+  """Flax's ``model.init`` returns variables: params next to collections that are not
+  trained (``batch_stats``); an optimizer over all of them would change running
+  statistics as if they were weights."""
+  if isinstance(params_like, Mapping) and "params" in params_like and len(params_like) > 1:
+    others = sorted(map(str, set(params_like) - {"params"}))
+    raise ValueError(
+        f"params_like looks like Flax variables (what model.init returns): next to 'params' "
+        f"it has the collections {others}. data_parallel trains every leaf it is given "
+        f"with the optimizer, and these are not parameters. Pass variables[\"params\"] and "
+        "apply the model with {'params': params, ...} in loss_fn.")
+
+
 def _check_trainable(layout: Layout) -> None:
   """Every leaf gets a gradient, so every leaf must be floating (or complex)."""
   for slot in layout.slots:
@@ -262,7 +276,8 @@ def _check_trainable(layout: Layout) -> None:
           f"Param leaf at {slot.path or '<root>'} has dtype {dtype_name(slot.dtype)}; "
           "data_parallel differentiates the loss with respect to every param leaf, so each "
           "must be a floating (or complex) array. Keep counters, masks and PRNG keys out "
-          "of the params: close over them in loss_fn or pass them in the batch.")
+          "of the params: close over them in loss_fn or pass them in the batch. "
+          + PARTITION_HINT)
 
 
 def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:

@@ -112,19 +112,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-  if mesh is None:
-    mesh = jax.make_mesh((len(jax.devices()),), (axis_name,),
-                         axis_types=(jax.sharding.AxisType.Explicit,))
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
-  others = {a: k for a, k in mesh.shape.items() if a != axis_name and k > 1}
-  if others:
-    # The step would run replicated over the other axes, and the batch and state specs
-    # would name only one of them: refuse rather than compute the same step k times.
-    raise ValueError(f"data_parallel needs a 1-D mesh over {axis_name!r}; the mesh "
-                     f"{dict(mesh.shape)} also has axes {others} of size > 1. Pass a mesh "
-                     f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
-                     f"({axis_name!r},)).")
+  mesh = _check_mesh(mesh, axis_name)
   check_inner(optimizer, labels)
   _check_not_flax_variables(params_like)
   if "group_fn" in plan_options:
@@ -149,6 +137,38 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       params = pack(params, layout)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
+  local_step = _per_device_step(loss_fn, tx, mode, axis_name, has_aux, packed_params)
+
+  def to_tree(state):
+    return unpack(state.params) if packed_params else state.params
+
+  build = _build_pmap if use_pmap else _build_shard_map
+  return build(local_init, local_step, to_tree, params_like, layout, axis_name, mesh, mode)
+
+
+def _check_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
+  """The mesh to run on (all devices by default): a 1-D mesh over ``axis_name``."""
+  if mesh is None:
+    mesh = jax.make_mesh((len(jax.devices()),), (axis_name,),
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+  others = {a: k for a, k in mesh.shape.items() if a != axis_name and k > 1}
+  if others:
+    # The step would run replicated over the other axes, and the batch and state specs
+    # would name only one of them: refuse rather than compute the same step k times.
+    raise ValueError(f"data_parallel needs a 1-D mesh over {axis_name!r}; the mesh "
+                     f"{dict(mesh.shape)} also has axes {others} of size > 1. Pass a mesh "
+                     f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
+                     f"({axis_name!r},)).")
+  return mesh
+
+
+def _per_device_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformationExtraArgs,
+                     mode: str, axis_name: str, has_aux: bool, packed_params: bool
+                     ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+  """One device's step: loss -> gradient -> the mode's transformation -> apply."""
+
   def local_step(state, batch):
     def loss_of(p):
       return loss_fn(unpack(p) if packed_params else p, batch)
@@ -172,12 +192,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       metrics["aux"] = aux
     return TrainState(params, opt_state, state.step + 1), metrics
 
-  def to_tree(state):
-    return unpack(state.params) if packed_params else state.params
+  return local_step
 
-  if use_pmap:
-    return _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mode)
 
+def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
+                     mode) -> DataParallel:
+  """`DataParallel` running the per-device functions under `jax.shard_map`: the state
+  replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
   replicated = NamedSharding(mesh, P())
   state_shapes = jax.eval_shape(
       jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
@@ -231,7 +252,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
-  return DataParallel(init, step, to_tree if packed_params else jax.jit(to_tree), layout)
+  return DataParallel(init, step, to_tree if mode != "allreduce" else jax.jit(to_tree),
+                      layout)
 
 
 def _transformation(mode: str, optimizer: Any, labels: Labels, axis_name: str,
@@ -405,7 +427,12 @@ def _aux_to_mean(aux: Any) -> Any:
   return jax.tree_util.tree_map_with_path(one, aux)
 
 
-def _build_pmap(local_init, local_step, to_tree, layout, axis_name, n, mesh, mode):
+def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
+                mode) -> DataParallel:
+  """`DataParallel` running the per-device functions under `jax.pmap`: the state carries a
+  leading device axis, and the global batch is split into it."""
+  del params_like
+  n = mesh.shape[axis_name]
   devices = list(mesh.devices.flat)
   init_p = jax.pmap(local_init, axis_name=axis_name, devices=devices)
   step_p = jax.pmap(local_step, axis_name=axis_name, devices=devices, donate_argnums=0)

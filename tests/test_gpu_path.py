@@ -144,7 +144,18 @@ def test_hand_written_allreduce_chain_on_gpu_reduces_each_bucket_once(batch):
   assert reduced == sorted(_bucket_types(layout))
   assert "stablehlo.all_to_all" not in text
   assert _runtime_conditionals(text) == []
-  # On CPU the tree out of the all-reduce is sliced at offsets from lax.cond (shared
-  # kernels), and bf16 travels through an all-to-all.
+  # On CPU bf16 travels through an all-to-all instead.
   cpu_text = _export(sm, params, opt_state, x, platform="cpu")
-  assert "case" in _runtime_conditionals(cpu_text) and "stablehlo.all_to_all" in cpu_text
+  assert "stablehlo.all_to_all" in cpu_text
+
+
+def test_tree_out_of_a_collective_is_sliced_statically_on_gpu(batch):
+  # On CPU the tree `jpack.pmean` returns is sliced at offsets from lax.cond, so that
+  # equal sizes share one kernel; on GPU those conds would be read back to the host.
+  mesh = jax.make_mesh((N,), (AXIS,))
+  tree = {f"l{i}": jnp.ones((N, 6)) for i in range(8)}
+  sm = jax.shard_map(lambda t: jpack.pmean(jax.tree.map(lambda v: v[0], t), AXIS),
+                     mesh=mesh, in_specs=P(AXIS), out_specs=P())
+  tree = jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
+  assert _runtime_conditionals(_export(sm, tree, platform="cuda")) == []
+  assert "case" in _runtime_conditionals(_export(sm, tree, platform="cpu"))

@@ -279,51 +279,7 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
       do not match the new run's (another optimizer, other params, other labels).
   """
   layout = like.layout
-  params_def = layout.treedef
   sizes = tuple(b.size for b in layout.buckets)
-
-  def to_buckets(path, x):
-    try:
-      leaves = params_def.flatten_up_to(x)
-    except (ValueError, TypeError):
-      raise ValueError(
-          f"Saved optimizer state at {jax.tree_util.keystr(path)} is "
-          f"{jax.tree.structure(x, is_leaf=_is_masked)}; the new run keeps a params-shaped "
-          f"tree there: {params_def}. Was it saved for the same params?") from None
-    masked = [_is_masked(v) for v in leaves]
-    # A bucket's state leaves share one dtype: the params' or, for moments kept in
-    # another float dtype (adam(mu_dtype=...)), that one.
-    dtypes = [b.dtype for b in layout.buckets]
-    seen = set()
-    for slot, v, m in zip(layout.slots, leaves, masked):
-      if m:
-        continue
-      got = np.dtype(jnp.result_type(v))
-      floats = jnp.issubdtype(got, jnp.floating) and jnp.issubdtype(slot.dtype, jnp.floating)
-      if slot.bucket not in seen and floats:
-        dtypes[slot.bucket] = got
-      seen.add(slot.bucket)
-      if np.shape(v) != slot.shape or got != dtypes[slot.bucket]:
-        raise ValueError(
-            f"Saved optimizer state at {jax.tree_util.keystr(path)}{slot.path} has shape "
-            f"{np.shape(v)} and dtype {got}; the params there are {slot.shape} "
-            f"{slot.dtype}" + (f" (and this state's other leaves in their bucket "
-                               f"{dtypes[slot.bucket]})" if dtypes[slot.bucket] != slot.dtype
-                               else "") + ".")
-    buckets = []
-    for b, bucket in enumerate(layout.buckets):
-      flags = {masked[i] for i in bucket.slots}
-      if len(flags) > 1:
-        raise ValueError(
-            f"Bucket {b} of the new layout mixes leaves the saved state masks and leaves it "
-            "does not: plan the new run with the same labels= as the saved one.")
-      buckets.append(flags == {True})
-    new_layout = retyped(layout, dtypes)
-    zeros = [jnp.zeros(s.shape, s.dtype) if m else v
-             for s, v, m in zip(new_layout.slots, leaves, masked)]
-    packed = pack(params_def.unflatten(zeros), new_layout).buckets
-    return tuple(optax.MaskedNode() if m else p for p, m in zip(packed, buckets))
-
   # Where the new run's state holds a tuple of buckets, the saved one holds a params
   # tree: found by position, since shapes alone cannot tell a scalar param's moment
   # from a step count.
@@ -336,7 +292,7 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
     converted = tree_state  # a structure mismatch: named below
   else:
     converted = prefix.unflatten(
-        to_buckets(path, x) if is_buckets(node) else x
+        _saved_to_buckets(path, x, layout) if is_buckets(node) else x
         for (path, node), x in zip(like_nodes, saved))
   like_def = jax.tree.structure(like.inner_state)
   if jax.tree.structure(converted) != like_def:
@@ -357,6 +313,52 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
           f"{np.shape(got)} and dtype {jnp.result_type(got)}; the new run expects "
           f"{tuple(want.shape)} {want.dtype}.")
   return ShardedState(converted, layout)
+
+
+def _saved_to_buckets(path: Any, x: Any, layout: Layout) -> tuple[Any, ...]:
+  """A params-shaped tree of a saved state, as a tuple of buckets of ``layout`` (with
+  `optax.MaskedNode` for buckets of other labels)."""
+  params_def = layout.treedef
+  try:
+    leaves = params_def.flatten_up_to(x)
+  except (ValueError, TypeError):
+    raise ValueError(
+        f"Saved optimizer state at {jax.tree_util.keystr(path)} is "
+        f"{jax.tree.structure(x, is_leaf=_is_masked)}; the new run keeps a params-shaped "
+        f"tree there: {params_def}. Was it saved for the same params?") from None
+  masked = [_is_masked(v) for v in leaves]
+  # A bucket's state leaves share one dtype: the params' or, for moments kept in
+  # another float dtype (adam(mu_dtype=...)), that one.
+  dtypes = [b.dtype for b in layout.buckets]
+  seen = set()
+  for slot, v, m in zip(layout.slots, leaves, masked):
+    if m:
+      continue
+    got = np.dtype(jnp.result_type(v))
+    floats = jnp.issubdtype(got, jnp.floating) and jnp.issubdtype(slot.dtype, jnp.floating)
+    if slot.bucket not in seen and floats:
+      dtypes[slot.bucket] = got
+    seen.add(slot.bucket)
+    if np.shape(v) != slot.shape or got != dtypes[slot.bucket]:
+      raise ValueError(
+          f"Saved optimizer state at {jax.tree_util.keystr(path)}{slot.path} has shape "
+          f"{np.shape(v)} and dtype {got}; the params there are {slot.shape} "
+          f"{slot.dtype}" + (f" (and this state's other leaves in their bucket "
+                             f"{dtypes[slot.bucket]})" if dtypes[slot.bucket] != slot.dtype
+                             else "") + ".")
+  buckets = []
+  for b, bucket in enumerate(layout.buckets):
+    flags = {masked[i] for i in bucket.slots}
+    if len(flags) > 1:
+      raise ValueError(
+          f"Bucket {b} of the new layout mixes leaves the saved state masks and leaves it "
+          "does not: plan the new run with the same labels= as the saved one.")
+    buckets.append(flags == {True})
+  new_layout = retyped(layout, dtypes)
+  zeros = [jnp.zeros(s.shape, s.dtype) if m else v
+           for s, v, m in zip(new_layout.slots, leaves, masked)]
+  packed = pack(params_def.unflatten(zeros), new_layout).buckets
+  return tuple(optax.MaskedNode() if m else p for p, m in zip(packed, buckets))
 
 
 def state_bytes_per_device(state: ShardedState, num_devices: int) -> int:

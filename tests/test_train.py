@@ -1,5 +1,7 @@
 """data_parallel: every mode equals a single-device full-batch reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,12 @@ def _check_matches_single_device_training(mode, **options):
   return state
 
 
+def _array_copies(hlo):
+  """Copies of arrays in the compiled step's entry computation (a scalar copy, such as
+  the gradient norm returned both as a metric and in the state, costs nothing)."""
+  return re.findall(r"= \w+\[\d[\d,]*\][^ ]* copy\(", hlo[hlo.index("ENTRY"):])
+
+
 @pytest.mark.parametrize("mode", ["packed", "sharded"])
 def test_packed_steps_update_parameter_buckets_in_place(mode):
   # Buckets holding a single leaf are unpacked as views. If an update may run before
@@ -87,7 +95,7 @@ def test_packed_steps_update_parameter_buckets_in_place(mode):
   x, y = data(1)
   batch = jax.device_put((x[0], y[0]), NamedSharding(mesh, P("batch")))
   hlo = jax.jit(dp.step, donate_argnums=0).lower(dp.init(params), batch).compile().as_text()
-  assert " copy(" not in hlo[hlo.index("ENTRY"):]
+  assert _array_copies(hlo) == []
 
 
 @pytest.mark.parametrize("use_pmap", [False, True])
@@ -139,7 +147,7 @@ def test_has_aux_metrics_are_averaged_over_devices(mode):
     hlo = jax.jit(dp.step, donate_argnums=0).lower(
         dp.init(params), jax.device_put((x[0], y[0]), NamedSharding(mesh, P("batch")))
     ).compile().as_text()
-    assert " copy(" not in hlo[hlo.index("ENTRY"):]
+    assert _array_copies(hlo) == []
 
 
 @pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
@@ -197,7 +205,7 @@ def test_jpack_transforms_in_a_hand_written_step_update_in_place(transform):
   x, y = data(1)
   batch = jax.device_put((x[0], y[0]), NamedSharding(mesh, P("batch")))
   hlo = step.lower(packed, opt_state, batch).compile().as_text()
-  assert " copy(" not in hlo[hlo.index("ENTRY"):]
+  assert _array_copies(hlo) == []
 
 
 @pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])

@@ -117,7 +117,7 @@ def step_side(module: types.ModuleType, key: str, model: st.Model, mesh, batch) 
   allreduce, compiled and warmed up as ``benchmarks.step`` does."""
   adam = optax.adam(st.LEARNING_RATE)
   if key == CHAIN:
-    s = st._plain_step(model, mesh, module.optax.allreduce(AXIS), adam)
+    s = st._plain_step(model, mesh, module.optax.allreduce(AXIS), adam, record_norm=False)
   else:
     s = module.data_parallel(model.loss, adam, model.params, mesh, axis_name=AXIS, mode=key)
   state = jax.block_until_ready(s.init(model.params))

@@ -225,17 +225,20 @@ def _record_norm() -> optax.GradientTransformation:
 
 
 def _plain_step(model: Model, mesh, reduce: optax.GradientTransformation,
-                optimizer: optax.GradientTransformation) -> Step:
+                optimizer: optax.GradientTransformation, record_norm: bool = True) -> Step:
   """A data-parallel step as written without `jpack.data_parallel`: a shard_map step on
   replicated params whose optimizer is ``optax.chain(reduce, <record the norm>,
-  optimizer)``, ``reduce`` averaging the per-device gradients over the axis."""
-  tx = optax.chain(reduce, _record_norm(), optimizer)
+  optimizer)``, ``reduce`` averaging the per-device gradients over the axis. Without
+  ``record_norm`` the chain is ``optax.chain(reduce, optimizer)``, and the norm is the
+  one ``reduce`` keeps in its state, if it keeps one (`jpack.optax.allreduce` does)."""
+  tx = optax.chain(reduce, *([_record_norm()] if record_norm else []), optimizer)
 
   def local_step(state, batch):
     loss, grads = jax.value_and_grad(model.loss)(_per_device(state.params), batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    norm = opt_state[1] if record_norm else getattr(opt_state[0], "grad_norm", None)
     return (State(optax.apply_updates(state.params, updates), opt_state),
-            {"loss": jax.lax.pmean(loss, AXIS), "grad_norm": opt_state[1]})
+            {"loss": jax.lax.pmean(loss, AXIS), "grad_norm": norm})
 
   init = jax.jit(jax.shard_map(lambda p: State(p, tx.init(p)), mesh=mesh, in_specs=P(),
                                out_specs=P()))
@@ -377,7 +380,7 @@ def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
       "ravel": lambda: _plain_step(model, mesh, optax.stateless(_ravel_pmean), adam),
       "flatten": lambda: _plain_step(model, mesh, per_leaf, optax.flatten(adam)),
       "optax_chain": lambda: _plain_step(
-          model, mesh, jpack.optax.allreduce(AXIS, **plan_options), adam),
+          model, mesh, jpack.optax.allreduce(AXIS, **plan_options), adam, record_norm=False),
       "hand_zero1": lambda: _hand_zero1(model, mesh),
       "grad_only": lambda: _grads_only(model, mesh),
       "packed_grad_only": lambda: _grads_only(model, mesh,

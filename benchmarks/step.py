@@ -14,8 +14,9 @@ The jpack variants:
 
   allreduce     ``jpack.data_parallel(mode="allreduce")``: params a tree, gradients
                 packed into buckets, one collective per bucket, unpacked
-  optax.chain   ``optax.chain(jpack.optax.allreduce(AXIS), optax.adam)`` in a plain
-                shard_map step (not on big models)
+  optax.chain   ``optax.chain(jpack.optax.allreduce(AXIS, grad_norm=True), optax.adam)``
+                in a plain shard_map step (not on big models); it reports the norm
+                allreduce keeps, as data_parallel does
   packed        ``mode="packed"``: persistent packed params; the loss unpacks them,
                 gradients arrive packed, adam updates the buckets (no per-step pack)
   packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
@@ -380,7 +381,8 @@ def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
       "ravel": lambda: _plain_step(model, mesh, optax.stateless(_ravel_pmean), adam),
       "flatten": lambda: _plain_step(model, mesh, per_leaf, optax.flatten(adam)),
       "optax_chain": lambda: _plain_step(
-          model, mesh, jpack.optax.allreduce(AXIS, **plan_options), adam, record_norm=False),
+          model, mesh, jpack.optax.allreduce(AXIS, grad_norm=True, **plan_options), adam,
+          record_norm=False),
       "hand_zero1": lambda: _hand_zero1(model, mesh),
       "grad_only": lambda: _grads_only(model, mesh),
       "packed_grad_only": lambda: _grads_only(model, mesh,

@@ -80,11 +80,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     mode: which optax transformation the step runs:
       ``"packed"`` (default): params live as a `jpack.Packed`; the loss unpacks them, so
       gradients arrive packed (no per-step pack), and the step runs
-      ``optax.chain(jpack.optax.allreduce(axis_name), jpack.optax.flat(optimizer))``
-      on the buckets.
+      ``optax.chain(jpack.optax.allreduce(axis_name, grad_norm=True),
+      jpack.optax.flat(optimizer))`` on the buckets.
       ``"allreduce"``: params stay a tree, and the step runs
-      ``optax.chain(jpack.optax.allreduce(axis_name), optimizer)``, which packs the
-      gradients, reduces them bucket by bucket and unpacks them for the optimizer.
+      ``optax.chain(jpack.optax.allreduce(axis_name, grad_norm=True), optimizer)``,
+      which packs the gradients, reduces them bucket by bucket and unpacks them for the
+      optimizer.
       ``"sharded"``: ZeRO-1, ``jpack.optax.sharded(optimizer, axis_name)`` on packed
       params; each device updates its slice and the new params are all-gathered.
     labels: per-leaf labels (a tree like the params or a prefix of it, or
@@ -269,7 +270,8 @@ def _transformation(mode: str, optimizer: Any, labels: Labels, axis_name: str,
     update = multi_transform(optimizer, labels)
   else:
     update = with_extra_args(optimizer)
-  return optax.chain(allreduce(axis_name, comm_dtype=comm_dtype, **plan_options), update)
+  reduce = allreduce(axis_name, comm_dtype=comm_dtype, grad_norm=True, **plan_options)
+  return optax.chain(reduce, update)
 
 
 def _grad_norm(opt_state: Any) -> jax.Array:

@@ -21,17 +21,16 @@ from jpack._probe import checker
 
 
 def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
-              method: str = "auto", allow_int: bool = False,
+              method: str = "auto", allow_int: bool = False, grad_norm: bool = False,
               **plan_options: Any) -> optax.GradientTransformation:
   """All-reduce the incoming updates over ``axis_name``, packed into a few buckets.
 
   Put it first in a chain, inside `jax.shard_map` or `jax.pmap`:
   ``optax.chain(jpack.optax.allreduce("batch"), optax.adamw(1e-3))``. Updates may be a
   tree (packed and unpacked around the collectives) or a `jpack.Packed` (used as is).
-  Its state keeps the global norm of the reduced updates (computed on the buckets), for
-  logging. The reduced updates are computed after that norm and after ``value`` (the
-  loss, if the chain is given one): the backward pass has then read every weight
-  before any is updated, so XLA need not copy donated parameters to protect them.
+  The reduced updates are computed after every bucket and after ``value`` (the loss, if
+  the chain is given one): the backward pass has then read every weight before any is
+  updated, so XLA need not copy donated parameters to protect them.
 
   Args:
     axis_name: the data-parallel mesh / pmap axis.
@@ -40,10 +39,14 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     method: collective per bucket, see `jpack.psum`.
     allow_int: with ``mean=True``, average integer leaves as the floor of the exact mean
       (see `jpack.pmean`) instead of refusing them; sums of integers are always exact.
+    grad_norm: keep the global norm of the reduced updates in the state
+      (`AllReduceState`), for logging; computed on the buckets, it costs one pass over
+      them.
     **plan_options: options for `jpack.plan`.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is an `AllReduceState`.
+    An `optax.GradientTransformationExtraArgs` whose state is `optax.EmptyState`, or
+    `AllReduceState` with ``grad_norm=True``.
 
   Examples:
     >>> import optax, jpack
@@ -54,26 +57,29 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
 
   def init_fn(params):
     del params
-    return AllReduceState(jnp.zeros((), jnp.float32))
+    return AllReduceState(jnp.zeros((), jnp.float32)) if grad_norm else optax.EmptyState()
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, state
+    del params
     packed = updates
     if not isinstance(updates, Packed):
       packed = pack(updates, **{"num_shards": axis_size(axis_name), **plan_options})
     options = {"allow_int": allow_int} if mean else {}
     reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
-    norm = jnp.sqrt(sum_of_squares(reduced.buckets))  # zero padding adds nothing
-    reduced = after(reduced, norm, *value_scalars(extra_args.get("value")))
+    scalars = value_scalars(extra_args.get("value"))
+    if grad_norm:
+      norm = jnp.sqrt(sum_of_squares(reduced.buckets))  # zero padding adds nothing
+      reduced, state = after(reduced, norm, *scalars), AllReduceState(norm)
+    else:
+      reduced = after_all(reduced, *scalars)
     # Static slices: in a step they fuse into the optimizer's update.
-    out = reduced if isinstance(updates, Packed) else unpack(reduced)
-    return out, AllReduceState(norm)
+    return (reduced if isinstance(updates, Packed) else unpack(reduced)), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class AllReduceState(NamedTuple):
-  """State of `allreduce`."""
+  """State of `allreduce(..., grad_norm=True)`."""
   grad_norm: jax.Array  # global norm of the reduced updates of the last update
 
 

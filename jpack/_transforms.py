@@ -28,9 +28,6 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
   Put it first in a chain, inside `jax.shard_map` or `jax.pmap`:
   ``optax.chain(jpack.optax.allreduce("batch"), optax.adamw(1e-3))``. Updates may be a
   tree (packed and unpacked around the collectives) or a `jpack.Packed` (used as is).
-  The reduced updates are computed after every bucket and after ``value`` (the loss, if
-  the chain is given one): the backward pass has then read every weight before any is
-  updated, so XLA need not copy donated parameters to protect them.
 
   Args:
     axis_name: the data-parallel mesh / pmap axis.
@@ -66,12 +63,8 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
       packed = pack(updates, **{"num_shards": axis_size(axis_name), **plan_options})
     options = {"allow_int": allow_int} if mean else {}
     reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
-    scalars = value_scalars(extra_args.get("value"))
     if grad_norm:
-      norm = jnp.sqrt(sum_of_squares(reduced.buckets))  # zero padding adds nothing
-      reduced, state = after(reduced, norm, *scalars), AllReduceState(norm)
-    else:
-      reduced = after_all(reduced, *scalars)
+      state = AllReduceState(jnp.sqrt(sum_of_squares(reduced.buckets)))  # padding adds 0
     # Static slices: in a step they fuse into the optimizer's update.
     return (reduced if isinstance(updates, Packed) else unpack(reduced)), state
 

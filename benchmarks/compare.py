@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if chain.rows:  # data_parallel(mode="allreduce") was timed
       report.table(chain)
     report.text("round range: the smallest and largest per-round new/base ratio. "
-                f"Compile = lower + compile of the jitted step (or pmean).")
+                "Compile = lower + compile of the jitted step (or pmean).")
     report.write(args)
   return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
 from jpack._internal import sum_of_squares
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
 from jpack._layout import Layout, check_plan_options, plan
-from jpack._pack import Packed, pack, unpack
+from jpack._pack import Packed, pack
 from jpack._probe import checker
 from jpack._transforms import (after, layout_state_repr, pack_like, retyped,
                                unpack_as_returned, value_scalars)

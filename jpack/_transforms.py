@@ -78,10 +78,7 @@ class AllReduceState(NamedTuple):
 
 def value_scalars(value: Any) -> list[jax.Array]:
   """``value`` (an extra update argument, usually the loss) as scalars to order after."""
-  if value is None:
-    return []
-  return [jnp.real(x.reshape(-1)[0]) for x in jax.tree.leaves(value)
-          if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+  return firsts([x for x in jax.tree.leaves(value) if isinstance(x, jax.Array)])
 
 
 def after(tree: Any, *scalars: jax.Array) -> Any:

@@ -12,7 +12,7 @@ import contextlib
 
 import jpack
 import jpack._cpu
-from conftest import assert_sliced_at_unfoldable_offsets, bits, workload_shapes
+from conftest import assert_sliced_at_unfoldable_offsets, bits
 
 KEY = "key"  # typed PRNG key arrays (jax.random.key): random key data
 DTYPES = [np.float32, jnp.bfloat16, np.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, np.int8,

@@ -17,6 +17,7 @@ from jpack._layout import plan as plan
 from jpack._pack import Packed as Packed
 from jpack._pack import pack as pack
 from jpack._pack import unpack as unpack
+from jpack._precision import cast_params as cast_params
 from jpack._train import DataParallel as DataParallel
 from jpack._train import TrainState as TrainState
 from jpack._train import data_parallel as data_parallel
@@ -34,6 +35,7 @@ __all__ = [
     "DataParallel",
     "TrainState",
     "broadcast",
+    "cast_params",
     "data_parallel",
     "optax",
     "pack",

@@ -594,3 +594,10 @@ def _unsupported(dtype: np.dtype) -> str:
     return ("2-bit integers abort XLA:CPU when concatenated (a bucket is a concatenate). "
             "Store them as int8 / uint8 (or int4 / uint4) instead.")
   return ""
+
+
+def retyped(layout: Layout, dtypes: list[np.dtype]) -> Layout:
+  """``layout`` with bucket i (and its leaves) of ``dtypes[i]``: same element offsets."""
+  slots = tuple(slot._replace(dtype=dtypes[slot.bucket]) for slot in layout.slots)
+  buckets = tuple(dataclasses.replace(b, dtype=d) for b, d in zip(layout.buckets, dtypes))
+  return dataclasses.replace(layout, slots=slots, buckets=buckets)

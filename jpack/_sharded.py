@@ -22,11 +22,13 @@ from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
                                 reduce_scatter, shard)
 from jpack._internal import sum_of_squares
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
-from jpack._layout import Layout, check_plan_options, plan
+from jpack._layout import Layout, check_plan_options, plan, retyped
 from jpack._pack import Packed, pack
 from jpack._probe import checker
-from jpack._transforms import (after, layout_state_repr, pack_like, retyped,
-                               unpack_as_returned, value_scalars)
+from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
+                              pack_masters)
+from jpack._transforms import (after, apply_to_masters, layout_of_masters, layout_state_repr,
+                               pack_like, unpack_as_returned, value_scalars)
 
 
 @jax.tree_util.register_dataclass
@@ -43,18 +45,22 @@ class ShardedState:
       bucket, sharded over the devices.
     layout: the static bucket `Layout` (planned with ``num_shards`` = axis size).
     grad_norm: the global norm of the reduced gradient of the last update (for logging).
+    master: with ``param_dtype``, this device's slices of the master buckets, in the
+      dtype the params had at ``init``; otherwise None.
   """
 
   inner_state: optax.OptState
   layout: Layout = dataclasses.field(metadata=dict(static=True))
   grad_norm: jax.Array = dataclasses.field(
       default_factory=lambda: jnp.zeros((), jnp.float32))
+  master: Any = None
 
   def __repr__(self) -> str:
     return layout_state_repr(self)
 
 
 def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: Any = None,
+            param_dtype: ParamDtype = None,
             **plan_options: Any) -> optax.GradientTransformation:
   """ZeRO-1: run ``inner`` on this device's 1/N slice of every gradient bucket.
 
@@ -87,6 +93,12 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       transformation of each leaf from the dict ``inner``: masks (no weight decay on
       biases), frozen leaves (``optax.set_to_zero()``). Each label gets its own buckets.
     comm_dtype: wire dtype of the gradient reduce-scatter (see `jpack.psum`).
+    param_dtype: mixed precision, as in `jpack.optax.flat`: the params are kept in this
+      dtype, and the state keeps this device's slices of master copies in the dtype the
+      params had at ``init`` (pass them in full precision), sharded like the moments.
+      Gradients are cast to the masters' dtype before the reduce-scatter (``comm_dtype``
+      can narrow the wire). With `Shards` params, the caller's all-gather of the new
+      params moves ``param_dtype`` bytes: half of float32's for bfloat16.
     **plan_options: options for `jpack.plan` (``num_shards`` is set to the axis size).
 
   Returns:
@@ -116,18 +128,30 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
 
   def init_fn(params):
     n = axis_size(axis_name)
-    layout = layout_for(params, n)
+    master = None
+    if param_dtype is None:
+      layout = layout_for(params, n)
+    else:
+      check_masters(params, "jpack.optax.sharded")
+      layout = layout_for(cast_params(params, param_dtype), n)
+      master = shard(pack_masters(params, layout), axis_name)
     check_shardable(layout, n)
-    if isinstance(params, Shards):  # already this device's slices
+    if master is not None:
+      local = master
+    elif isinstance(params, Shards):  # already this device's slices
       local = params
     else:
       local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
-    check(layout)  # on a miniature of the params: compares slices with the tree
-    return ShardedState(labelled(inner, layout).init(local.buckets), layout)
+    check(local.layout)  # on a miniature of the params: compares slices with the tree
+    return ShardedState(labelled(inner, layout).init(local.buckets), layout,
+                        master=None if master is None else master.buckets)
 
   def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
-    packed = pack_like(updates, layout, "updates")
+    masters = None if state.master is None else layout_of_masters(state)
+    packed = pack_like(updates, layout, "updates", masters=masters)
+    if masters is not None:  # reduced in the masters' dtype (or comm_dtype on the wire)
+      packed = as_layout(packed, masters)
     if isinstance(packed, Shards):
       grads = packed
     else:
@@ -140,16 +164,24 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       if not isinstance(local_params, Shards):
         local_params = shard(local_params, axis_name)
       local_params = local_params.buckets
-    new, inner_state = labelled(inner, layout).update(grads.buckets, state.inner_state,
-                                                       local_params, **extra_args)
+    tx = labelled(inner, layout)
+    if masters is None:
+      new, inner_state = tx.update(grads.buckets, state.inner_state, local_params,
+                                   **extra_args)
+      master = None
+    else:
+      new, inner_state = tx.update(grads.buckets, state.inner_state, state.master,
+                                   **extra_args)
+      new, master = apply_to_masters(new, state.master, local_params, layout)
+    new_state = ShardedState(inner_state, layout, norm, master)
     if isinstance(params, Shards):
       # The caller applies the updates to its slice and all-gathers the new params:
       # one full-size pass fewer than gathering updates and adding them everywhere.
-      return Shards(tuple(new), layout), ShardedState(inner_state, layout, norm)
+      return Shards(tuple(new), layout), new_state
     full = all_gather(Shards(tuple(new), layout), axis_name)
     if isinstance(updates, (Packed, Shards)):
-      return full, ShardedState(inner_state, layout, norm)
-    return unpack_as_returned(full), ShardedState(inner_state, layout, norm)
+      return full, new_state
+    return unpack_as_returned(full), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

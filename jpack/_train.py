@@ -13,11 +13,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpack import _cpu as cpu
-from jpack._collectives import all_gather, assert_same_layout, broadcast, shard, vary
+from jpack._collectives import (Shards, all_gather, assert_same_layout, axis_size, broadcast,
+                                reduce_scatter, shard, vary)
 from jpack._internal import dtype_name
 from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
-from jpack._layout import PARTITION_HINT, Layout, plan
+from jpack._layout import PARTITION_HINT, Layout, plan, retyped
 from jpack._pack import Packed, flatten_like, pack, unpack
+from jpack._precision import ParamDtype, as_layout, cast_params, master_layout
 from jpack._probe import checker
 from jpack._sharded import ShardedState, sharded
 from jpack._transforms import after, allreduce, firsts, flat
@@ -52,7 +54,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                   params_like: Any, mesh: Mesh | None = None, *, axis_name: str = "batch",
                   mode: str = "packed", labels: Labels = None, comm_dtype: Any = None,
                   root: int = 0, use_pmap: bool = False, has_aux: bool = False,
-                  **plan_options: Any) -> DataParallel:
+                  param_dtype: ParamDtype = None, accumulate: int = 1,
+                  accumulator: str = "local", **plan_options: Any) -> DataParallel:
   """Build a jit-compiled data-parallel training step.
 
   The batch is split over ``axis_name`` (leading dimension), gradients are averaged
@@ -103,6 +106,25 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       ``aux`` (a tree of arrays or Python scalars, e.g. accuracy) is averaged over the
       devices like the loss and returned as ``metrics["aux"]``; integers and bools are
       averaged as float32 (a mean taken in uint8 would wrap), PRNG keys are refused.
+    param_dtype: mixed precision, in the "packed" and "sharded" modes: the params are
+      kept, and the loss sees them, in this dtype (``jnp.bfloat16``; a tree of dtypes,
+      with None for leaves to keep, or a function of the params, as in
+      `jpack.cast_params`). The optimizer updates master copies in the dtype of
+      ``params_like`` (float32), replicated in "packed" mode and sharded 1/N like the
+      moments in "sharded" mode; gradients are reduced in the masters' dtype (or
+      ``comm_dtype``), and in "sharded" mode the new params are all-gathered in
+      ``param_dtype``. ``init`` takes the full-precision params.
+    accumulate: micro-batches per step. Each device splits its rows of every batch leaf
+      into ``accumulate`` equal, consecutive micro-batches and runs them one after the
+      other (`jax.lax.scan`), adding their gradients in float32 (or the masters'
+      dtype) buckets; the sum is reduced once per step, so the step computes the update
+      of the whole batch with the activation memory of one micro-batch. The loss and
+      aux are the means over the micro-batches.
+    accumulator: where the accumulated gradients live with ``accumulate > 1``:
+      ``"local"`` (default): full buckets on every device, one reduction per step.
+      ``"sharded"`` (mode "sharded" only, ZeRO-2's gradient memory): every micro-step's
+      gradients are reduce-scattered into this device's 1/N slice, ``accumulate``
+      reduce-scatters per step instead of one, for 1/N of the accumulator's memory.
     **plan_options: options for `jpack.plan`.
 
   Returns:
@@ -113,6 +135,11 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+  _check_accumulate(accumulate, accumulator, mode)
+  if param_dtype is not None and mode == "allreduce":
+    raise ValueError("param_dtype= needs mode='packed' or mode='sharded', where the "
+                     "optimizer keeps master copies of the packed params; mode='allreduce' "
+                     "runs the optimizer on the params tree as given.")
   mesh = _check_mesh(mesh, axis_name)
   check_inner(optimizer, labels)
   _check_not_flax_variables(params_like)
@@ -122,29 +149,43 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                     "optimizer).")
   n = mesh.shape[axis_name]
   plan_options = {"num_shards": n, **plan_options}
-  layout = plan(params_like, group_fn=group_fn_for(params_like, labels), **plan_options)
+  narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
+  layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
   _check_trainable(layout)
+  # The gradients' dtypes as the optimizer takes them: the masters', or the params'.
+  masters = layout if param_dtype is None else master_layout(layout, params_like)
   # On a miniature of the params: the optimizer on buckets or slices against the tree,
   # and no collective over the axis where every device holds the whole gradient.
   checker(optimizer, on={"packed": "buckets", "sharded": "slices"}.get(mode, "tree"),
           axis_name=axis_name, where=f"inside data_parallel's optimizer (mode={mode!r})",
-          instead="mode='allreduce', which runs it on the params tree")(layout)
-  tx = _transformation(mode, optimizer, labels, axis_name, comm_dtype, plan_options)
+          instead="mode='allreduce', which runs it on the params tree")(masters)
+  tx = _transformation(mode, optimizer, labels, axis_name, comm_dtype, param_dtype,
+                       plan_options)
   packed_params = mode in ("packed", "sharded")
 
   def local_init(params):
+    if param_dtype is not None:  # the optimizer keeps the full-precision masters
+      params = broadcast(params, axis_name, root=root)
+      return TrainState(pack(cast_params(params, param_dtype), layout), tx.init(params),
+                        jnp.zeros((), jnp.int32))
     params = broadcast(params, axis_name, root=root, layout=layout)
     if packed_params:
       params = pack(params, layout)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
-  local_step = _per_device_step(loss_fn, tx, mode, axis_name, has_aux, packed_params)
+  grads_fn = _accumulated_grads(loss_fn, has_aux, packed_params, axis_name, masters,
+                                accumulate, accumulator, comm_dtype)
+  local_step = _per_device_step(grads_fn, tx, mode, axis_name, has_aux)
 
   def to_tree(state):
     return unpack(state.params) if packed_params else state.params
 
+  # What init takes: the params as params_like describes them (full precision).
+  init_layout = layout if param_dtype is None else plan(params_like, **plan_options)
   build = _build_pmap if use_pmap else _build_shard_map
-  return build(local_init, local_step, to_tree, params_like, layout, axis_name, mesh, mode)
+  dp = build(local_init, local_step, to_tree, params_like, init_layout, axis_name, mesh,
+             mode, accumulate)
+  return dp._replace(layout=layout)
 
 
 def _check_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
@@ -165,20 +206,94 @@ def _check_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
   return mesh
 
 
-def _per_device_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformationExtraArgs,
-                     mode: str, axis_name: str, has_aux: bool, packed_params: bool
-                     ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
-  """One device's step: loss -> gradient -> the mode's transformation -> apply."""
+def _accumulated_grads(loss_fn: Callable[..., Any], has_aux: bool, packed_params: bool,
+                       axis_name: str, masters: Layout, accumulate: int, accumulator: str,
+                       comm_dtype: Any) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
+  """``(params, batch) -> (loss, aux, grads)`` on one device: the mean over
+  ``accumulate`` micro-batches, with the gradients in the masters' dtypes (``masters``,
+  the layout the optimizer takes) and, with the "sharded" accumulator, already
+  reduce-scattered (`jpack.Shards`)."""
 
-  def local_step(state, batch):
+  def one(params, batch):
     def loss_of(p):
       return loss_fn(unpack(p) if packed_params else p, batch)
 
     # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
     # inserted by shard_map's autodiff) until the transformation reduces them in buckets.
-    value, grads = jax.value_and_grad(loss_of, has_aux=has_aux)(vary(state.params, axis_name))
+    value, grads = jax.value_and_grad(loss_of, has_aux=has_aux)(vary(params, axis_name))
     loss, aux = value if has_aux else (value, None)
-    loss, aux = lax.pmean((loss, _aux_to_mean(aux)), axis_name)
+    return loss, _aux_to_mean(aux), grads
+
+  if accumulate == 1:
+    def grads_of(params, batch):
+      loss, aux, grads = one(params, batch)
+      return loss, aux, as_layout(grads, masters) if packed_params else grads
+    return grads_of
+
+  # Accumulated in at least float32: a sum of bfloat16 gradients would lose their bits.
+  wide = retyped(masters, [_accumulation_dtype(b.dtype) for b in masters.buckets])
+
+  def widen(grads):
+    if not packed_params:
+      return jax.tree.map(lambda g: g.astype(_accumulation_dtype(g.dtype)), grads)
+    grads = as_layout(grads, wide)
+    if accumulator == "sharded":  # ZeRO-2: only this device's slice is kept
+      grads = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
+    return grads
+
+  def zeros(params):
+    if not packed_params:
+      return jax.tree.map(lambda p: jnp.zeros(p.shape, _accumulation_dtype(p.dtype)), params)
+    if accumulator == "sharded":
+      n = axis_size(axis_name)
+      return Shards(tuple(jnp.zeros(b.size // n, b.dtype) for b in wide.buckets), wide)
+    return Packed(tuple(jnp.zeros(b.size, b.dtype) for b in wide.buckets), wide)
+
+  def grads_of(params, batch):
+    micro = jax.tree.map(lambda x: x.reshape((accumulate, -1) + x.shape[1:]), batch)
+
+    def add(total, micro_batch):
+      loss, aux, grads = one(params, micro_batch)
+      return jax.tree.map(jnp.add, total, widen(grads)), (loss, aux)
+
+    total, (losses, aux) = lax.scan(add, vary(zeros(params), axis_name), micro)
+    mean = jax.tree.map(lambda g: g / accumulate, total)
+    if packed_params:
+      mean = as_layout(mean, masters)
+    else:
+      mean = jax.tree.map(lambda g, p: g.astype(p.dtype), mean, params)
+    return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), mean
+
+  return grads_of
+
+
+def _accumulation_dtype(dtype: Any) -> np.dtype:
+  d = np.dtype(dtype)
+  if jnp.issubdtype(d, jnp.floating) and d.itemsize < 4:
+    return np.dtype(np.float32)
+  return d
+
+
+def _check_accumulate(accumulate: Any, accumulator: str, mode: str) -> None:
+  if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+    raise ValueError(f"accumulate must be a positive int (micro-batches per step), got "
+                     f"{accumulate!r}.")
+  if accumulator not in ("local", "sharded"):
+    raise ValueError(f"accumulator must be 'local' or 'sharded', got {accumulator!r}.")
+  if accumulator == "sharded" and mode != "sharded":
+    raise ValueError("accumulator='sharded' reduce-scatters every micro-step's gradients "
+                     "into this device's slice, which only mode='sharded' (ZeRO-1) updates; "
+                     f"got mode={mode!r}.")
+
+
+def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
+                     tx: optax.GradientTransformationExtraArgs, mode: str, axis_name: str,
+                     has_aux: bool) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+  """One device's step: loss -> gradient -> the mode's transformation -> apply."""
+
+  def local_step(state, batch):
+    loss, aux, grads = grads_of(state.params, batch)
+    loss, aux = lax.pmean((loss, aux), axis_name)
     # Metrics may read the params: computed before any update (the transformations
     # order their updates after the gradients and the loss), no donated param is copied.
     grads = after(grads, *firsts(aux))
@@ -197,7 +312,7 @@ def _per_device_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformati
 
 
 def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                     mode) -> DataParallel:
+                     mode, accumulate) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.shard_map`: the state
   replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
   replicated = NamedSharding(mesh, P())
@@ -234,7 +349,7 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
     elif mode == "sharded":  # a restored or host copy of the slices: split them again
       state = state._replace(opt_state=jax.tree.map(_place, state.opt_state,
                                                     state_shardings.opt_state))
-    batch = _place_batch(batch, batch_sharding, axis_name)
+    batch = _place_batch(batch, batch_sharding, axis_name, accumulate)
     try:
       out = step_sm(state, batch)
     except ValueError:
@@ -258,14 +373,14 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
 
 
 def _transformation(mode: str, optimizer: Any, labels: Labels, axis_name: str,
-                    comm_dtype: Any, plan_options: Mapping[str, Any]
+                    comm_dtype: Any, param_dtype: ParamDtype, plan_options: Mapping[str, Any]
                     ) -> optax.GradientTransformationExtraArgs:
   """The mode's optax transformation."""
   if mode == "sharded":
     return sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
-                   **plan_options)
+                   param_dtype=param_dtype, **plan_options)
   if mode == "packed":  # packed gradients: the optimizer runs on their buckets
-    update = flat(optimizer, labels=labels)
+    update = flat(optimizer, labels=labels, param_dtype=param_dtype, **plan_options)
   elif isinstance(optimizer, Mapping):
     update = multi_transform(optimizer, labels)
   else:
@@ -304,13 +419,16 @@ def _check_trainable(layout: Layout) -> None:
           + PARTITION_HINT)
 
 
-def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:
+def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str,
+                 accumulate: int = 1) -> Any:
   """Split each batch leaf's leading dimension over the axis, unless it already is.
 
   Host values (numpy arrays; a nested Python list is a tree of scalars, not an array)
   and arrays on other devices are this process's rows of the global batch; in a single
   process that is the whole batch.
   """
+  _check_micro_batches(batch, len(sharding.addressable_devices), accumulate)
+
   def place(path, x):
     if isinstance(x, jax.core.Tracer):  # the step is being traced by an outer jit
       return _constrain(x, sharding)
@@ -330,6 +448,29 @@ def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str) -> Any:
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
   return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def _check_micro_batches(batch: Any, devices: int, accumulate: int) -> None:
+  """With ``accumulate`` > 1, every batch leaf's rows split into that many micro-batches
+  on every device, and all leaves have the same rows (micro-batch j of one leaf must
+  hold the examples of micro-batch j of the others)."""
+  if accumulate == 1:
+    return
+  rows = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    shape = np.shape(x)
+    where = jax.tree_util.keystr(path) or "<root>"
+    if not shape or shape[0] % (devices * accumulate):
+      raise ValueError(
+          f"Batch leaf at {where} has shape {shape}; with accumulate={accumulate} its "
+          f"leading (batch) dimension must split into {accumulate} micro-batches on each "
+          f"of {devices} devices, i.e. be a multiple of {devices * accumulate}.")
+    rows[where] = shape[0]
+  if len(set(rows.values())) > 1:
+    shown = ", ".join(f"{k}: {v}" for k, v in rows.items())
+    raise ValueError(
+        f"With accumulate={accumulate}, every batch leaf must have the same number of "
+        f"rows (the micro-batch axis is cut from the rows), but they differ: {shown}.")
 
 
 def _check_splits(path: Any, shape: tuple[int, ...], devices: int, axis_name: str) -> None:
@@ -430,7 +571,7 @@ def _aux_to_mean(aux: Any) -> Any:
 
 
 def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                mode) -> DataParallel:
+                mode, accumulate) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.pmap`: the state carries a
   leading device axis, and the global batch is split into it."""
   del params_like
@@ -467,6 +608,7 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
 
   def step(state, batch):
     _check_state(state, mode)
+    _check_micro_batches(batch, n, accumulate)
     if on_fewer_devices(state.step):  # a whole state restored onto one device
       state = as_host_rows(state)
     batch = jax.tree_util.tree_map_with_path(split, batch)

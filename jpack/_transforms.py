@@ -13,8 +13,10 @@ import optax
 
 from jpack._collectives import axis_size, pmean, psum
 from jpack._internal import sum_of_squares
-from jpack._layout import Layout, check_plan_options, plan
+from jpack._layout import Layout, check_plan_options, plan, retyped
 from jpack._pack import Packed, pack, unpack
+from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
+                              pack_masters)
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
 from jpack._probe import checker
 
@@ -125,12 +127,17 @@ class FlatState:
   another layout are refused instead of mixing up leaves' moments.
 
   Attributes:
-    inner_state: ``inner``'s state on the tuple of buckets.
-    layout: the static bucket `Layout` the state was initialised with.
+    inner_state: ``inner``'s state on the tuple of buckets (on the master buckets, with
+      ``param_dtype``).
+    layout: the static bucket `Layout` the state was initialised with (of the params in
+      their ``param_dtype``).
+    master: with ``param_dtype``, the master copy of every bucket, in the dtype the
+      params had at ``init``; otherwise None.
   """
 
   inner_state: optax.OptState
   layout: Layout = dataclasses.field(metadata=dict(static=True))
+  master: Any = None
 
   def __repr__(self) -> str:
     return layout_state_repr(self)
@@ -141,7 +148,7 @@ def layout_state_repr(state: Any) -> str:
           f"inner_state={state.inner_state!r})")
 
 
-def flat(inner: Inner, *, labels: Labels = None,
+def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
          **plan_options: Any) -> optax.GradientTransformation:
   """Run ``inner`` on flat per-dtype buckets instead of on every leaf.
 
@@ -164,6 +171,13 @@ def flat(inner: Inner, *, labels: Labels = None,
       different labels go to different buckets, and bucket ``i`` is updated by
       ``inner[label_i]``. Use it for masks: ``{"decay": optax.adamw(1e-3),
       "no_decay": optax.adam(1e-3), "frozen": optax.set_to_zero()}``.
+    param_dtype: mixed precision (see `jpack.cast_params` for the forms it takes): the
+      params are kept in this dtype (``jnp.bfloat16``), and the state keeps master
+      copies in the dtype the params had at ``init`` (pass them in full precision).
+      ``inner`` updates the masters with the gradients cast to their dtype, and the
+      updates take the params to the new masters rounded to ``param_dtype``
+      (``optax.apply_updates(params, updates) == jpack.cast_params(masters,
+      param_dtype)``). Start from ``params = jpack.cast_params(full, param_dtype)``.
     **plan_options: options for `jpack.plan`.
 
   Returns:
@@ -191,22 +205,38 @@ def flat(inner: Inner, *, labels: Labels = None,
   check = checker(inner, on="buckets", where="inside jpack.optax.flat")
 
   def init_fn(params):
-    packed = _pack(params, labels, plan_options)
-    tx = labelled(inner, packed.layout)
-    check(packed.layout)  # on a miniature of the params: compares buckets with the tree
-    return FlatState(tx.init(packed.buckets), packed.layout)
+    if param_dtype is None:
+      packed = _pack(params, labels, plan_options)
+      check(packed.layout)  # on a miniature of the params: compares buckets with the tree
+      return FlatState(labelled(inner, packed.layout).init(packed.buckets), packed.layout)
+    check_masters(params, "jpack.optax.flat")
+    narrow = cast_params(params, param_dtype)
+    layout = plan(narrow, group_fn=group_fn_for(narrow, labels), **plan_options)
+    masters = pack_masters(params, layout)
+    check(masters.layout)
+    return FlatState(labelled(inner, layout).init(masters.buckets), layout, masters.buckets)
 
   def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
     was_packed = isinstance(updates, Packed)
+    masters = None if state.master is None else layout_of_masters(state)
+    packed = pack_like(updates, layout, "updates", masters=masters)
     # Computed after every bucket and the loss: no copies of donated params.
-    packed = after_all(pack_like(updates, layout, "updates"),
+    packed = after_all(packed if masters is None else as_layout(packed, masters),
                        *value_scalars(extra_args.get("value")))
     flat_params = None if params is None else pack_like(params, layout, "params").buckets
-    new, inner_state = labelled(inner, layout).update(packed.buckets, state.inner_state,
-                                                       flat_params, **extra_args)
+    tx = labelled(inner, layout)
+    if masters is None:
+      new, inner_state = tx.update(packed.buckets, state.inner_state, flat_params,
+                                   **extra_args)
+      master = None
+    else:
+      new, inner_state = tx.update(packed.buckets, state.inner_state, state.master,
+                                   **extra_args)
+      new, master = apply_to_masters(new, state.master, flat_params, layout)
     out = Packed(tuple(new), layout)
-    return (out if was_packed else unpack_as_returned(out)), FlatState(inner_state, layout)
+    return ((out if was_packed else unpack_as_returned(out)),
+            FlatState(inner_state, layout, master))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -245,21 +275,59 @@ def unpack_as_returned(packed: Packed) -> Any:
   return unpack(Packed(packed.buckets, layout))
 
 
-def retyped(layout: Layout, dtypes: list[np.dtype]) -> Layout:
-  """``layout`` with bucket i (and its leaves) of ``dtypes[i]``: same element offsets."""
-  slots = tuple(slot._replace(dtype=dtypes[slot.bucket]) for slot in layout.slots)
-  buckets = tuple(dataclasses.replace(b, dtype=d) for b, d in zip(layout.buckets, dtypes))
-  return dataclasses.replace(layout, slots=slots, buckets=buckets)
-
-
-def pack_like(tree: Any, layout: Layout, what: str = "updates") -> Any:
-  """``tree`` packed with ``layout``; a `Packed` (or `Shards`) must already use it."""
+def pack_like(tree: Any, layout: Layout, what: str = "updates",
+              masters: Layout | None = None) -> Any:
+  """``tree`` packed with ``layout``; a `Packed` (or `Shards`) must already use it. With
+  ``masters`` (the layout of master buckets), updates in the masters' dtype are accepted
+  too (accumulated in float32 for bfloat16 params)."""
   if not hasattr(tree, "layout"):
-    return pack(tree, layout)
-  if tree.layout != layout:
+    if masters is None or masters == layout:
+      return pack(tree, layout)
+    try:
+      return pack(tree, layout)
+    except TypeError:
+      try:
+        return pack(tree, masters)
+      except (TypeError, ValueError):
+        pass
+      raise
+  if tree.layout != layout and not (masters is not None and tree.layout == masters):
     raise ValueError(
         f"The {what} are a {type(tree).__name__} with layout {tree.layout.fingerprint}, "
         f"but the optimizer state was initialised with layout {layout.fingerprint}: "
         "their buckets would pair different leaves. Pack them with the state's layout "
         f"(state.layout), or pass the {what} as a tree.")
   return tree
+
+
+def layout_of_masters(state: Any) -> Layout:
+  """The layout of ``state.master``: ``state.layout`` in the masters' dtypes."""
+  dtypes = [np.dtype(m.dtype) for m in state.master]
+  if dtypes == [b.dtype for b in state.layout.buckets]:
+    return state.layout
+  return retyped(state.layout, dtypes)
+
+
+def apply_to_masters(updates: Any, masters: tuple[Any, ...], params: tuple[Any, ...] | None,
+                     layout: Layout) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """The inner optimizer's ``updates`` applied to the master buckets, and the updates
+  that take the params there.
+
+  Returns ``(param_updates, new_masters)``: the new masters are ``masters + updates``
+  in the masters' dtype (as `optax.apply_updates` computes it); ``param_updates`` are
+  the new masters rounded to the params' dtype minus the params, in the masters'
+  dtype, so that ``optax.apply_updates(params, param_updates)`` gives the rounded
+  masters (the difference of two bfloat16 values is exact in float32). Without
+  ``params``, they are taken to be the masters rounded, which they are by
+  construction.
+  """
+  new_masters, param_updates = [], []
+  for i, (u, m, b) in enumerate(zip(updates, masters, layout.buckets)):
+    new = (m + u).astype(m.dtype)
+    new_masters.append(new)
+    if np.dtype(m.dtype) == b.dtype:  # no narrower params: the update is the update
+      param_updates.append(u)
+      continue
+    old = m.astype(b.dtype) if params is None else params[i]
+    param_updates.append(new.astype(b.dtype).astype(m.dtype) - old.astype(m.dtype))
+  return tuple(param_updates), tuple(new_masters)

@@ -1,12 +1,18 @@
 """A whole data-parallel adam step on 8 forced CPU devices: jpack against plain steps.
 
-Every variant trains the same model from the same parameters on the same batch, in a
-shard_map over ``("batch",)`` with the inputs placed by ``NamedSharding`` and the state
-donated. The baselines are plain shard_map steps, written here without jpack:
+Every variant trains the same model from the same parameters on the same batch, split
+over the mesh axis ``"batch"`` by ``NamedSharding``, with the state donated. The
+baselines are written here without jpack; all but the jit ones are shard_map steps:
 
   per-leaf      per-leaf ``lax.pmean`` of the gradients + optax.adam (the baseline)
   ravel         ``ravel_pytree`` + one pmean + unravel, optax.adam
   optax.flatten per-leaf pmean + ``optax.flatten(optax.adam)``
+  jit           plain ``jax.jit`` over global arrays: params replicated, batch split,
+                loss = mean over the global batch; XLA inserts (and combines) the
+                gradient all-reduces
+  jit ZeRO-1    the same with the adam state split over the axis by its shardings (each
+                leaf's largest evenly divisible dimension), so XLA partitions the update
+                and all-gathers the new params
   hand ZeRO-1   ZeRO-1 with plain jax + optax: <= 4 MiB f32 buckets, a custom-VJP
                 unpack, psum_scatter / all_gather per bucket
 
@@ -82,6 +88,8 @@ VARIANTS = {
     "per_leaf": "per-leaf pmean",
     "ravel": "ravel_pytree",
     "flatten": "optax.flatten",
+    "jit": "jit + NamedSharding",
+    "jit_zero1": "jit, ZeRO-1 by sharding",
     "allreduce": "jpack allreduce",
     "optax_chain": "optax.chain(jpack.optax.allreduce, adam)",
     "packed": "jpack packed",
@@ -179,8 +187,8 @@ MODELS = {
 DEFAULT_MODELS = ("mlp_40x256", "mlp_24x1024")
 # Every variant keeps its state alive while they are timed round-robin: on big models
 # only these run by default (ResNet-50 holds gigabytes of replicated state per variant).
-BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "allreduce", "packed", "sharded", "hand_zero1",
-                      "grad_only", "packed_grad_only")
+BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "jit", "jit_zero1", "allreduce", "packed",
+                      "sharded", "hand_zero1", "grad_only", "packed_grad_only")
 BIG_MODEL_PARAMS = 10_000_000
 
 
@@ -246,6 +254,51 @@ def _plain_step(model: Model, mesh, reduce: optax.GradientTransformation,
   step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(AXIS)),
                                out_specs=(P(), P())), donate_argnums=0)
   replicated = NamedSharding(mesh, P())
+  return Step(lambda params: init(jax.device_put(params, replicated)), step,
+              lambda state: state.params)
+
+
+def _zero1_sharding(x: jax.ShapeDtypeStruct, mesh) -> NamedSharding:
+  """``x`` split over the axis along its largest dimension that splits evenly (the first
+  of equal ones); replicated when none does, as adam's step count."""
+  n = mesh.shape[AXIS]
+  for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+    if x.shape[d] and x.shape[d] % n == 0:
+      return NamedSharding(mesh, P(*(AXIS if i == d else None for i in range(x.ndim))))
+  return NamedSharding(mesh, P())
+
+
+def _jit_step(model: Model, mesh, zero1: bool = False) -> Step:
+  """Data parallelism as plain ``jax.jit`` gives it, without shard_map: a step over
+  global arrays, params replicated and the batch split by their shardings, so XLA
+  partitions it and inserts the gradient all-reduces itself. With ``zero1`` the
+  optimizer state is split too (`_zero1_sharding`): XLA updates each device's slice and
+  all-gathers the new params, which stay replicated.
+
+  The shardings are given as ``in_shardings`` / ``out_shardings``, which the
+  benchmark's Explicit-axes mesh and an Auto-axes one both take. The two compile the
+  same collectives and update; under ZeRO-1 they differ only in how the reported
+  gradient norm is summed (an Auto mesh adds a small all-reduce for it).
+  """
+  tx = optax.chain(_record_norm(), optax.adam(LEARNING_RATE))
+  replicated = NamedSharding(mesh, P())
+  params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                             model.params)
+  split = (lambda x: _zero1_sharding(x, mesh)) if zero1 else (lambda _: replicated)
+  shardings = State(jax.tree.map(lambda _: replicated, params_like),
+                    jax.tree.map(split, jax.eval_shape(tx.init, params_like)))
+
+  def global_step(state, batch):
+    # The mean over the global batch: with equal slices, the mean of the per-device
+    # means the shard_map steps average, so every variant takes the same gradient.
+    loss, grads = jax.value_and_grad(model.loss)(state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return (State(optax.apply_updates(state.params, updates), opt_state),
+            {"loss": loss, "grad_norm": opt_state[0]})
+
+  init = jax.jit(lambda p: State(p, tx.init(p)), out_shardings=shardings)
+  step = jax.jit(global_step, in_shardings=(shardings, NamedSharding(mesh, P(AXIS))),
+                 out_shardings=(shardings, replicated), donate_argnums=0)
   return Step(lambda params: init(jax.device_put(params, replicated)), step,
               lambda state: state.params)
 
@@ -380,6 +433,8 @@ def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
       "per_leaf": lambda: _plain_step(model, mesh, per_leaf, adam),
       "ravel": lambda: _plain_step(model, mesh, optax.stateless(_ravel_pmean), adam),
       "flatten": lambda: _plain_step(model, mesh, per_leaf, optax.flatten(adam)),
+      "jit": lambda: _jit_step(model, mesh),
+      "jit_zero1": lambda: _jit_step(model, mesh, zero1=True),
       "optax_chain": lambda: _plain_step(
           model, mesh, jpack.optax.allreduce(AXIS, grad_norm=True, **plan_options), adam,
           record_norm=False),
@@ -585,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_options["solo_bytes"] = args.solo_bytes or None
   report = c.Report("jpack data-parallel step benchmark", "step", argv)
   c.banner("benchmarks.step", [
-      f"{args.devices} {jax.devices()[0].platform.upper()} devices, shard_map over ('{AXIS}',), "
+      f"{args.devices} {jax.devices()[0].platform.upper()} devices, mesh axis ('{AXIS}',) "
+      f"(shard_map, or jit by NamedSharding), "
       f"optax.adam({LEARNING_RATE:g}), "
       f"per-device batch {args.batch}, plan options {plan_options or 'default'}; step time "
       f"= median of {blocks} blocks of {steps} steps, variants interleaved block by block"])

@@ -73,11 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--bucket-mib", type=_positive_float, default=None,
                     help="jpack bucket size cap in MiB (default: jpack's own, 4 MiB)")
   demo.add_argument("--modes", type=_modes, default=",".join(DEMO_MODES),
-                    help=f"comma-separated modes, from: {', '.join(ALL_MODES)}; "
-                         "default %(default)s")
+                    help=f"comma-separated modes, from: {', '.join(ALL_MODES)} (per_leaf: a "
+                         "shard_map step with a pmean per gradient leaf; jit: plain jax.jit "
+                         "on sharded arrays, XLA inserting the all-reduces; the others: "
+                         "jpack.data_parallel's modes); default %(default)s")
   demo.add_argument("--comm-dtype", choices=COMM_DTYPES, default="none",
                     help="wire dtype of jpack's gradient collectives (none: the "
-                         "gradients' own dtype); the per_leaf baseline ignores it; "
+                         "gradients' own dtype); the per_leaf and jit steps ignore it; "
                          "default %(default)s")
   demo.add_argument("--width", type=_positive_int, default=128,
                     help="MLP hidden width; default %(default)s")

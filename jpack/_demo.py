@@ -18,11 +18,14 @@ import sys
 import time
 from typing import Any, Sequence
 
-DEMO_MODES = ("per_leaf", "allreduce", "sharded")  # the default comparison
-ALL_MODES = ("per_leaf", "allreduce", "packed", "sharded")
+DEMO_MODES = ("per_leaf", "jit", "allreduce", "sharded")  # the default comparison
+ALL_MODES = ("per_leaf", "jit", "allreduce", "packed", "sharded")
 COMM_DTYPES = ("none", "float32", "bfloat16")
-# The usual step without jpack (`per_leaf_step`); every other mode is jpack.data_parallel's.
+# The usual steps without jpack: a shard_map step with a pmean per leaf (`per_leaf_step`,
+# the baseline) and plain jax.jit on sharded arrays (`jit_step`). Every other mode is
+# jpack.data_parallel's.
 BASELINE = "per_leaf"
+PLAIN_MODES = (BASELINE, "jit")
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 # A collective op in compiled HLO text and its operands, e.g.
 # "... all-reduce(%param.8, %param.9), channel_id=1, ...": several collectives merged
@@ -149,7 +152,8 @@ def forward(params: dict, x):
 
 
 def loss_fn(params: dict, batch) -> Any:
-  """Mean softmax cross-entropy on one device's slice of the batch."""
+  """Mean softmax cross-entropy over ``batch``: one device's slice in a shard_map step,
+  the global batch under plain jit (the same mean, the slices being equal)."""
   import optax
 
   x, y = batch
@@ -199,6 +203,52 @@ def per_leaf_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any
                             lambda state: state.params, layout)
 
 
+def jit_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any:
+  """Data parallelism as plain ``jax.jit`` gives it: a step over global arrays, params
+  replicated and the batch split over the mesh's first axis by their shardings. XLA
+  partitions the step and inserts the gradient all-reduces itself.
+
+  Returns a `jpack.DataParallel` like `per_leaf_step`; its ``layout`` is only reported.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jpack
+
+  axis = mesh.axis_names[0]
+  replicated = NamedSharding(mesh, P())
+
+  def global_step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new = jpack.TrainState(optax.apply_updates(state.params, updates), opt_state,
+                           state.step + 1)
+    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  init = jax.jit(lambda p: jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)),
+                 out_shardings=replicated)
+  step = jax.jit(global_step, in_shardings=(replicated, NamedSharding(mesh, P(axis))),
+                 out_shardings=(replicated, replicated), donate_argnums=0)
+  layout = jpack.plan(params, **{"num_shards": mesh.shape[axis], **plan_options})
+  return jpack.DataParallel(lambda p: init(jax.device_put(p, replicated)), step,
+                            lambda state: state.params, layout)
+
+
+def build_step(mode: str, loss_fn, optimizer, params: dict, mesh, comm_dtype: Any = None,
+               **plan_options) -> Any:
+  """Mode ``mode``'s `jpack.DataParallel`: a plain step, or jpack.data_parallel's."""
+  import jpack
+
+  plain = {"per_leaf": per_leaf_step, "jit": jit_step}
+  if mode in plain:
+    return plain[mode](loss_fn, optimizer, params, mesh, **plan_options)
+  return jpack.data_parallel(loss_fn, optimizer, params, mesh, mode=mode,
+                             comm_dtype=comm_dtype, **plan_options)
+
+
 # -- measuring -------------------------------------------------------------------------
 
 
@@ -216,11 +266,11 @@ def grad_bytes_per_step(layout, mode: str, comm_dtype) -> int:
   """Bytes entering the gradient reduction each step, on one device.
 
   jpack modes send whole buckets (padding included) in ``comm_dtype`` when set (bf16
-  halves f32); the per-leaf baseline sends the parameters' own bytes.
+  halves f32); the plain steps send the parameters' own bytes.
   """
   import jax.numpy as jnp
 
-  if mode == BASELINE:
+  if mode in PLAIN_MODES:
     return layout.leaf_nbytes
   total = 0
   for b in layout.buckets:
@@ -305,8 +355,6 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   import numpy as np
   import optax
 
-  import jpack
-
   wire = {"none": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[comm_dtype]
   mesh = jax.sharding.Mesh(np.array(devs), ("batch",),
                            axis_types=(jax.sharding.AxisType.Explicit,))
@@ -330,10 +378,7 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   results = []
   for i, mode in enumerate(modes):
     optimizer = optax.adamw(lr, weight_decay=1e-4)
-    dp = (per_leaf_step(loss_fn, optimizer, params0, mesh, **plan_options)
-          if mode == BASELINE else
-          jpack.data_parallel(loss_fn, optimizer, params0, mesh, mode=mode,
-                              comm_dtype=wire, **plan_options))
+    dp = build_step(mode, loss_fn, optimizer, params0, mesh, wire, **plan_options)
     if i == 0:
       say("\nParameter layout (jpack.plan):")
       say(dp.layout.summary())

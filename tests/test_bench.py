@@ -44,8 +44,9 @@ def test_step_benchmark_every_mode_matches_per_leaf(tmp_path):
   text, doc = bench("step", tmp_path / "step.json", "--models", "mlp_4x32", "--steps", "2",
                     "--blocks", "1")
   assert "machine:" in text and "speed-up" in text and "gap closed" in text
-  labels = ["ravel_pytree", "optax.flatten", "jpack allreduce", "jpack packed",
-            "jpack sharded", "hand-written ZeRO-1", "optax.chain(jpack.optax.allreduce, adam)"]
+  labels = ["ravel_pytree", "optax.flatten", "jit + NamedSharding", "jit, ZeRO-1 by sharding",
+            "jpack allreduce", "jpack packed", "jpack sharded", "hand-written ZeRO-1",
+            "optax.chain(jpack.optax.allreduce, adam)"]
   for label in labels:
     rows = [r for r in table_rows(text, label) if r[0] == label]
     assert rows, f"no row {label!r} in\n{text}"
@@ -68,6 +69,35 @@ def test_step_benchmark_every_mode_matches_per_leaf(tmp_path):
   assert rows["packed"]["speedup_vs_per_leaf"] == pytest.approx(t["per_leaf"] / t["packed"])
   assert rows["sharded"]["collectives"]["reduce-scatter"] >= 1
   assert rows["per_leaf"]["max_param_diff_vs_per_leaf"] is None
+  _check_jit_rows(rows)
+
+
+def _check_jit_rows(rows: dict) -> None:
+  """The plain-jit baselines: the per-leaf step's params, collectives XLA inserted, and
+  ZeRO-1's adam state split over the 8 devices."""
+  jit, zero1 = rows["jit"], rows["jit_zero1"]
+  for v in (jit, zero1):
+    assert v["max_param_diff_vs_per_leaf"] < 1e-6
+    assert v["collectives"]["all-reduce"] >= 1 and sum(v["collective_bytes"].values()) > 0
+  assert jit["opt_state_bytes"] == rows["per_leaf"]["opt_state_bytes"]
+  assert zero1["collectives"]["all-gather"] >= 1  # the updated slices, to replicated params
+  # mlp_4x32: every moment leaf splits 8 ways; adam's count and the norm stay whole.
+  assert zero1["opt_state_bytes"] < jit["opt_state_bytes"] / 7
+
+
+def test_zero1_sharding_splits_the_largest_dimension_that_divides():
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from benchmarks import step
+  mesh = jax.make_mesh((8,), (step.AXIS,), devices=jax.devices()[:8])
+  spec = lambda *shape: step._zero1_sharding(jax.ShapeDtypeStruct(shape, "float32"),
+                                             mesh).spec
+  assert spec(256, 1024) == P(None, "batch")
+  assert spec(24, 16) == P("batch", None)  # the largest divides
+  assert spec(12, 16) == P(None, "batch")  # the largest that divides
+  assert spec(16, 16) == P("batch", None)  # the first of equal ones
+  assert spec(3, 5) == spec(0) == spec() == P()  # nothing to split: replicated
 
 
 @pytest.mark.timeout(600)

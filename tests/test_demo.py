@@ -63,6 +63,39 @@ def test_demo_quick_runs_all_modes(tmp_path):
     assert sum(r["collectives"].values()) >= 1
   # ZeRO-1 keeps 1/4 of the optimizer's moments per device.
   assert results["sharded"]["opt_state_bytes"] < results["allreduce"]["opt_state_bytes"] / 3
+  # Plain jit takes the mean over the global batch: per_leaf's losses, step by step, with
+  # every gradient leaf all-reduced by the collectives XLA inserts.
+  jit, per_leaf = results["jit"], results["per_leaf"]
+  assert max(abs(a - b) for a, b in zip(jit["losses"], per_leaf["losses"])) < 1e-4
+  assert jit["collectives"]["all-reduce"] >= 1 and jit["collective_arrays"] > 12 * 4
+  assert jit["opt_state_bytes"] == per_leaf["opt_state_bytes"]
+  assert jit["grad_bytes"] == per_leaf["grad_bytes"]
+
+
+def test_jit_step_ends_where_the_per_leaf_step_ends():
+  import jax
+  import numpy as np
+  import optax
+
+  from jpack import _demo
+  mesh = jax.make_mesh((8,), ("batch",), devices=jax.devices()[:8])
+  params = _demo.init_mlp(jax.random.key(0), 16, 32, 3, 10)
+  rng = np.random.default_rng(0)
+  batches = [(rng.standard_normal((64, 16)).astype(np.float32),
+              rng.integers(0, 10, 64).astype(np.int32)) for _ in range(3)]
+  sharding = jax.sharding.NamedSharding(mesh, jax.P("batch"))
+  ends = {}
+  for mode in ("per_leaf", "jit"):
+    dp = _demo.build_step(mode, _demo.loss_fn, optax.adamw(1e-2), params, mesh)
+    state = dp.init(params)
+    for batch in batches:
+      state, metrics = dp.step(state, jax.device_put(batch, sharding))
+    ends[mode] = (dp.params(state), float(metrics["loss"]), float(metrics["grad_norm"]))
+  (p_leaf, loss_leaf, norm_leaf), (p_jit, loss_jit, norm_jit) = ends["per_leaf"], ends["jit"]
+  assert int(state.step) == 3
+  for a, b in zip(jax.tree.leaves(p_leaf), jax.tree.leaves(p_jit)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  assert abs(loss_leaf - loss_jit) < 1e-5 and abs(norm_leaf - norm_jit) < 1e-4 * norm_leaf
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -98,6 +98,22 @@ def _split_bits_jvp(sizes, primals, tangents):
   return split_bits(array, sizes), lax.split(darray, sizes)
 
 
+def moved_as_bits(move: Callable[[Any], Any], x: Any) -> Any:
+  """``move(x)`` for a collective that only moves values (all-gather), sent as integer
+  bits: XLA:CPU widens a 16-bit float collective to float32, twice the bytes."""
+
+  @jax.custom_jvp
+  def moved(x):
+    return lax.bitcast_convert_type(move(lax.bitcast_convert_type(x, bits_dtype(x.dtype))),
+                                    x.dtype)
+
+  @moved.defjvp
+  def _(primals, tangents):
+    return moved(*primals), move(*tangents)
+
+  return moved(x)
+
+
 def split(array: Any, sizes: tuple[int, ...]) -> list[Any]:
   """``lax.split``, through integer bits where XLA:CPU would not be exact."""
   return split_bits(array, sizes) if moves_as_bits(array.dtype) else lax.split(array, sizes)

@@ -238,7 +238,9 @@ def gather_state(state: ShardedState) -> Any:
 
   Returns:
     The full-tree optimizer state (for a dict ``inner``, the `optax.multi_transform`
-    state over the buckets, with each bucket tuple turned into a tree).
+    state over the buckets, with each bucket tuple turned into a tree). With
+    ``param_dtype`` masters, ``{"inner_state": that, "master": the params tree in
+    full precision}``.
   """
   layout = state.layout
   sizes = tuple(b.size for b in layout.buckets)
@@ -270,7 +272,9 @@ def gather_state(state: ShardedState) -> Any:
         f"size {sorted(leading)}, as in a jax.pmap state (one row per device). It needs the "
         "global state of a shard_map step (data_parallel's default), whose leaves are "
         "whole buckets.")
-  return out
+  if state.master is None:
+    return out
+  return {"inner_state": out, "master": jax.device_get(convert(tuple(state.master)))}
 
 
 def _is_masked(x: Any) -> bool:
@@ -298,7 +302,8 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
 
   Args:
     tree_state: a full-tree state from `gather_state` (e.g. restored from a checkpoint
-      saved on a different number of devices).
+      saved on a different number of devices); with masters, the
+      ``{"inner_state": ..., "master": ...}`` it returns.
     like: a `ShardedState` of the new run (e.g. ``jax.eval_shape`` of its init); gives
       the bucket layout for the new device count.
 
@@ -311,6 +316,22 @@ def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
       do not match the new run's (another optimizer, other params, other labels).
   """
   layout = like.layout
+  saved_masters = (isinstance(tree_state, dict)
+                   and set(tree_state) == {"inner_state", "master"})
+  if (like.master is not None) != saved_masters:
+    has = "has" if saved_masters else "has no"
+    wants = "keeps" if like.master is not None else "keeps no"
+    raise ValueError(f"The saved optimizer state {has} master params (param_dtype=), and "
+                     f"the new run {wants} masters: use the same param_dtype= for both.")
+  if saved_masters:
+    master = _saved_to_buckets((jax.tree_util.DictKey("master"),), tree_state["master"],
+                               layout)
+    for i, (got, want) in enumerate(zip(master, like.master)):
+      if np.dtype(got.dtype) != np.dtype(want.dtype):
+        raise ValueError(f"Saved master bucket {i} is {got.dtype}; the new run keeps its "
+                         f"masters in {want.dtype}.")
+    inner = scatter_state(tree_state["inner_state"], ShardedState(like.inner_state, layout))
+    return ShardedState(inner.inner_state, layout, master=master)
   sizes = tuple(b.size for b in layout.buckets)
   # Where the new run's state holds a tuple of buckets, the saved one holds a params
   # tree: found by position, since shapes alone cannot tell a scalar param's moment

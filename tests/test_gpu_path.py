@@ -159,3 +159,19 @@ def test_tree_out_of_a_collective_is_sliced_statically_on_gpu(batch):
   tree = jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
   assert _runtime_conditionals(_export(sm, tree, platform="cuda")) == []
   assert "case" in _runtime_conditionals(_export(sm, tree, platform="cpu"))
+
+
+def test_gpu_zero1_with_bf16_params_reduces_f32_and_gathers_bf16(batch):
+  masters = jax.tree.map(lambda x: x.astype(jnp.float32), _params())
+  dp = jpack.data_parallel(_loss, optax.adam(1e-3), masters, mode="sharded",
+                           param_dtype=jnp.bfloat16)
+  text = _export(dp.step, dp.init(masters), batch, platform="cuda")
+  colls = _collectives(text)
+  scattered = [t for op, t in colls if op == "reduce_scatter"]
+  gathered = [t for op, t in colls if op == "all_gather"]
+  assert scattered and all(t.endswith("xf32") for t in scattered)
+  # Each device sends its bf16 slice of every bucket the gradients were scattered from.
+  assert (sorted(f"{int(t.split('x')[0]) * N}x{t.split('x')[1]}" for t in gathered)
+          == sorted(t.replace("f32", "bf16") for t in scattered))
+  assert "stablehlo.all_to_all" not in text
+

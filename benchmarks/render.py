@@ -1,0 +1,364 @@
+"""Fill the figures in README.md and docs/*.md from the benchmarks' JSON results.
+
+    python -m benchmarks.render            # rewrite every marked block in place
+    python -m benchmarks.render --check    # exit 1, naming the files, if a block is stale
+
+A marked block is
+
+    <!-- figures: NAME -->
+    (generated: never edit by hand)
+    <!-- /figures -->
+
+where NAME is one of `RENDERERS`. Each renderer reads ``benchmarks/results/<bench>.json``
+(written by ``python -m benchmarks <bench>``) and returns Markdown: a table built from
+the cells the benchmark printed, and a line naming the machine and the command that
+produced it. Rows a JSON file lacks are left out; a missing file renders as a note
+saying which command makes it. The output depends on the JSON alone, so rendering twice
+changes nothing, and `tests/test_figures.py` fails when a page differs from what this
+renders.
+
+This module imports neither JAX nor jpack: it only reads JSON and writes text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+BLOCK = re.compile(r"(<!-- figures: *(?P<name>[\w-]+) *-->)\n(?P<body>.*?)(<!-- /figures -->)",
+                   re.DOTALL)
+
+Results = Mapping[str, Any]  # benchmark name -> its JSON document (absent: not run)
+Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
+
+
+# -- reading the results ----------------------------------------------------------------
+
+
+def load_results(results_dir: pathlib.Path = RESULTS_DIR,
+                 names: Iterable[str] = ("step", "collectives", "pack", "optimizer")
+                 ) -> dict[str, Any]:
+  """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
+  found = {}
+  for name in names:
+    path = pathlib.Path(results_dir) / f"{name}.json"
+    if path.is_file():
+      found[name] = json.loads(path.read_text())
+  return found
+
+
+def _tables(doc: Mapping[str, Any], *columns: str) -> list[Mapping[str, Any]]:
+  """The tables of ``doc`` that have all of ``columns``: a table is recognised by what
+  it holds, not by its title, which benchmarks may reword."""
+  return [t for t in doc.get("tables", []) if all(c in t["columns"] for c in columns)]
+
+
+def _step_tables(doc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+  """One table per model of a step run."""
+  return [t for t in _tables(doc, "variant", "step ms", "speed-up") if t["rows"]]
+
+
+def _by_key(table: Mapping[str, Any]) -> dict[str, Row]:
+  return {r["values"].get("key"): r for r in table["rows"]}
+
+
+def _model(table: Mapping[str, Any]) -> str:
+  return table["rows"][0]["values"].get("model", "") if table["rows"] else ""
+
+
+# -- formatting -------------------------------------------------------------------------
+
+_NUMERIC = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?\s*(x|%|ms|s|B|KiB|MiB|GiB)?$")
+
+
+def _numeric(cell: str) -> bool:
+  return bool(_NUMERIC.match(cell.strip()))
+
+
+def _cell(text: Any) -> str:
+  return str(text).replace("|", "\\|")
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """A GitHub Markdown table; columns whose cells all look numeric are right-aligned."""
+  rows = [[str(c) for c in r] for r in rows]
+  right = []
+  for i in range(len(columns)):
+    cells = [r[i] for r in rows if r[i] not in ("", "-")]
+    right.append(bool(cells) and all(_numeric(c) for c in cells))
+  lines = ["| " + " | ".join(_cell(c) for c in columns) + " |",
+           "|" + "|".join("---:" if r else "---" for r in right) + "|"]
+  lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+_EMPTY = ("", "-", "n/a")
+
+
+def _select(table: Mapping[str, Any], columns: Sequence[str],
+            rows: Sequence[Row] | None = None) -> str:
+  """``table`` as Markdown with only ``columns`` (those it has, and not empty in every
+  row: torch's columns on a machine without torch), in that order."""
+  rows = table["rows"] if rows is None else rows
+  shown = [c for c in columns if c in table["columns"]
+           and any(r["cells"].get(c, "") not in _EMPTY for r in rows)]
+  return markdown_table(shown, [[r["cells"].get(c, "") for c in shown] for r in rows])
+
+
+def machine_line(doc: Mapping[str, Any]) -> str:
+  """Where and how a result was measured, in one sentence."""
+  m = doc.get("machine", {})
+  n, platform = m.get("device_count", "?"), str(m.get("platform", "?"))
+  host = f"{m.get('cpu', 'unknown CPU')} ({m.get('cores', '?')} cores)"
+  if platform == "cpu" and n == 1:
+    devices = f"one CPU device, {host}"
+  elif platform == "cpu":
+    devices = f"{n} CPU devices simulated on one {host}"
+  else:
+    devices = f"{n} x {m.get('device_kind', platform)} ({platform}), host {host}"
+  versions = ", ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "optax", "python") if k in m)
+  return f"Measured on {devices}; {versions}. Command: `{doc.get('command', '?')}`."
+
+
+def _missing(bench: str) -> str:
+  return f"*No results yet: run `python -m benchmarks {bench}`.*"
+
+
+def _speedup(base: Row | None, row: Row) -> str:
+  """The baseline's step time over the row's, as the step benchmark prints ratios."""
+  if base is None:
+    return "-"
+  a, b = base["values"].get("step_s"), row["values"].get("step_s")
+  if not a or not b:
+    return "-"
+  return f"{a / b:.2f}x"
+
+
+# -- renderers --------------------------------------------------------------------------
+
+# The step table's columns, as performance.md shows them (the benchmark also prints its
+# own targets, which are not figures for users).
+STEP_COLUMNS = ("variant", "step ms", "speed-up", "compile s", "collectives", "coll. bytes",
+                "opt state/dev", "max |Δp| vs per-leaf")
+# README rows: (step key, label, the jax.jit baseline it is compared with).
+README_ROWS = (
+    ("packed", 'jpack `mode="packed"`', "jit"),
+    ("sharded", 'jpack `mode="sharded"` (ZeRO-1)', "jit_zero1"),
+    ("allreduce", 'jpack `mode="allreduce"`', "jit"),
+    ("packed_bf16", 'jpack `mode="packed"`, bf16 wire', "jit"),
+)
+# The fifth README row: the first of these models the step run has, with its label.
+README_EXTRA = (
+    ("resnet50", "packed", 'ResNet-50 shapes, `mode="packed"`'),
+    ("mlp_24x1024", "sharded", 'MLP 24x1024 (25 M params), `mode="sharded"`'),
+)
+MAIN_MODEL = "mlp_40x256"
+# comparison.md: the baselines next to jpack's modes, in this order.
+BASELINE_KEYS = ("per_leaf", "jit", "jit_zero1", "ravel", "flatten", "hand_zero1",
+                 "optax_chain", "allreduce", "packed", "sharded")
+BASELINE_COLUMNS = ("variant", "step ms", "speed-up", "compile s", "opt state/dev")
+
+
+def _main_table(tables: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+  return next((t for t in tables if _model(t) == MAIN_MODEL), tables[0])
+
+
+def _readme_rows(tables: Sequence[Mapping[str, Any]]
+                 ) -> list[tuple[str, Row, Row | None, Row | None]]:
+  """(label, jpack's row, per-leaf's row, the jax.jit row to compare with) for each
+  README row the step run has: jpack's modes on the main model, then one other model."""
+  main = _main_table(tables)
+  rows = _by_key(main)
+  picked = [(label, rows[key], rows.get("per_leaf"), rows.get(jit))
+            for key, label, jit in README_ROWS if key in rows]
+  for model, key, label in README_EXTRA:
+    other = next((_by_key(t) for t in tables if _model(t) == model and t is not main), {})
+    if key in other:
+      jit = "jit_zero1" if key == "sharded" else "jit"
+      picked.append((label, other[key], other.get("per_leaf"), other.get(jit)))
+      break
+  return picked
+
+
+def render_readme(results: Results) -> str:
+  """At most five rows: jpack's modes on the main model against the baselines, and one
+  row from a model of fewer, larger leaves; compile time and state included."""
+  doc = results.get("step")
+  tables = _step_tables(doc) if doc else []
+  if not tables:
+    return _missing("step")
+  picked = _readme_rows(tables)
+  with_jit = any(jit is not None for *_, jit in picked)
+  columns = ["step (Adam)", "speed-up vs per-leaf `shard_map`"]
+  columns += ["speed-up vs `jax.jit` + `NamedSharding`"] if with_jit else []
+  columns += ["compile s: jpack (per-leaf)", "optimizer state per device"]
+  out = []
+  for label, row, base, jit in picked:
+    base_compile = base["cells"].get("compile s", "-") if base else "-"
+    out.append([label, _speedup(base, row), *([_speedup(jit, row)] if with_jit else []),
+                f"{row['cells'].get('compile s', '-')} ({base_compile})",
+                row["cells"].get("opt state/dev", "-")])
+  note = ("Speed-up: the baseline's step time over jpack's, in the same run (above 1x, jpack "
+          f"is faster). Main model: {_main_table(tables)['title']}.")
+  if with_jit:
+    note += (" ZeRO-1 is compared with `jax.jit` sharding the optimizer state by "
+             "`NamedSharding`.")
+  return "\n\n".join([markdown_table(columns, out), note, machine_line(doc)])
+
+
+def render_step(results: Results) -> str:
+  """Every model of the step run, one table each."""
+  doc = results.get("step")
+  tables = _step_tables(doc) if doc else []
+  if not tables:
+    return _missing("step")
+  parts = []
+  for t in tables:
+    parts += [f"**{t['title']}**", _select(t, STEP_COLUMNS)]
+  return "\n\n".join(parts + [machine_line(doc)])
+
+
+def render_baselines(results: Results) -> str:
+  """The plain baselines next to jpack's modes, on the main model."""
+  doc = results.get("step")
+  tables = _step_tables(doc) if doc else []
+  if not tables:
+    return _missing("step")
+  main = _main_table(tables)
+  rows = _by_key(main)
+  picked = [rows[k] for k in BASELINE_KEYS if k in rows]
+  return "\n\n".join([f"**{main['title']}**", _select(main, BASELINE_COLUMNS, picked),
+                      machine_line(doc)])
+
+
+# The collectives table, one row per workload: (header, variant key, column of the
+# benchmark's own table). The benchmark's table has one row per variant; this keeps its
+# cells and shows the comparisons side by side.
+COLLECTIVES_COLUMNS = (
+    ("per-leaf ms", "per_leaf", "run ms"),
+    ("floor ms", "floor", "run ms"),
+    ("jpack vs per-leaf", "jpack_sg", "vs per-leaf"),
+    ("jpack compile vs per-leaf", "jpack_sg", "C vs per-leaf"),
+    ("jpack Packed vs floor", "jpack_packed", "vs floor"),
+    ("jpack Packed vs per-leaf", "jpack_packed", "vs per-leaf"),
+    ("jpack psum vs per-leaf", "jpack_psum", "vs per-leaf"),
+    ("bf16 wire vs per-leaf", "jpack_bf16", "vs per-leaf"),
+    ("ravel + pmean vs per-leaf", "ravel", "vs per-leaf"),
+)
+
+
+def render_collectives(results: Results) -> str:
+  """``pmean`` of each workload: jpack against per-leaf and the single-array floor."""
+  doc = results.get("collectives")
+  tables = _tables(doc, "workload", "variant", "vs per-leaf", "vs floor") if doc else []
+  if not tables:
+    return _missing("collectives")
+  workloads: dict[str, dict[str, Row]] = {}
+  for row in tables[0]["rows"]:
+    workloads.setdefault(row["cells"]["workload"], {})[row["values"].get("key")] = row
+  shown = [c for c in COLLECTIVES_COLUMNS
+           if any(c[1] in variants for variants in workloads.values())]
+  rows = [[label] + [v[key]["cells"].get(column, "-") if key in v else "-"
+                     for _, key, column in shown]
+          for label, v in workloads.items()]
+  return "\n\n".join([markdown_table(["workload"] + [c[0] for c in shown], rows),
+                       machine_line(doc)])
+
+
+def render_pack(results: Results) -> str:
+  """pack / unpack against per-leaf and single-array copies, one device: the benchmark's
+  table of ratios, one row per workload."""
+  doc = results.get("pack")
+  tables = _tables(doc, "workload", "pack/max(a,b)", "unpack/max(a,b)") if doc else []
+  if not tables:
+    return _missing("pack")
+  table = tables[0]
+  return "\n\n".join([_select(table, table["columns"]), machine_line(doc)])
+
+
+def render_optimizer(results: Results) -> str:
+  """One Adam update: jpack on buckets against per-leaf optax (and torch where present)."""
+  doc = results.get("optimizer")
+  tables = _tables(doc, "workload", "per-leaf ms", "jpack ms") if doc else []
+  if not tables:
+    return _missing("optimizer")
+  table = tables[0]
+  return "\n\n".join([f"**{table['title']}**", _select(table, table["columns"]),
+                       machine_line(doc)])
+
+
+RENDERERS: dict[str, Callable[[Results], str]] = {
+    "readme": render_readme,
+    "step": render_step,
+    "baselines": render_baselines,
+    "collectives": render_collectives,
+    "pack": render_pack,
+    "optimizer": render_optimizer,
+}
+
+
+# -- pages ------------------------------------------------------------------------------
+
+
+def render_text(text: str, results: Results) -> str:
+  """``text`` with every marked block's body replaced by its rendering."""
+  def fill(match: re.Match) -> str:
+    name = match.group("name")
+    if name not in RENDERERS:
+      raise ValueError(f"unknown figures block {name!r}; known: {', '.join(RENDERERS)}")
+    # Blank lines around the body: Markdown ends an HTML comment block at a blank line.
+    return f"{match.group(1)}\n\n{RENDERERS[name](results)}\n\n{match.group(4)}"
+  return BLOCK.sub(fill, text)
+
+
+def blocks(text: str) -> list[str]:
+  """The names of the marked blocks in ``text``, in order."""
+  return [m.group("name") for m in BLOCK.finditer(text)]
+
+
+def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+  """The user-facing Markdown files: README.md and every page under docs/."""
+  root = pathlib.Path(root)
+  return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def stale(root: pathlib.Path = ROOT, results_dir: pathlib.Path = RESULTS_DIR
+          ) -> list[pathlib.Path]:
+  """The pages whose blocks differ from what the results render."""
+  results = load_results(results_dir)
+  return [p for p in pages(root) if render_text(p.read_text(), results) != p.read_text()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.render",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--check", action="store_true",
+                      help="change nothing; exit 1 if a page is out of date")
+  parser.add_argument("--results", type=pathlib.Path, default=RESULTS_DIR,
+                      help="the folder of the benchmarks' JSON files (default: %(default)s)")
+  args = parser.parse_args(argv)
+  results = load_results(args.results)
+  changed = []
+  for page in pages():
+    text = page.read_text()
+    new = render_text(text, results)
+    if new != text:
+      changed.append(page.relative_to(ROOT))
+      if not args.check:
+        page.write_text(new)
+  verb = "out of date" if args.check else "updated"
+  for page in changed:
+    print(f"{verb}: {page}")
+  if not changed:
+    print("figures up to date")
+  return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

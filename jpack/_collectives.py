@@ -37,12 +37,12 @@ def _all_gather(x: Any, axis_name: AxisName, **kwargs: Any) -> Any:
   """all_gather_invariant of a value varying over the axis (shard_map, pmap); a plain
   all_gather otherwise: ``jax.vmap(axis_name=)`` has no varying/invariant types and
   all_gather_invariant refuses to run there."""
-  if _is_varying(x, axis_name):
+  if is_varying(x, axis_name):
     return _all_gather_invariant(x, axis_name, **kwargs)
   return lax.all_gather(x, axis_name, **kwargs)
 
 
-def _is_varying(x: Any, axis_name: AxisName) -> bool:
+def is_varying(x: Any, axis_name: AxisName) -> bool:
   """``x`` is typed as varying over every axis in ``axis_name``."""
   return not _not_varying(x, axis_name)
 

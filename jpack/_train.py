@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpack import _cpu as cpu
 from jpack._collectives import (Shards, all_gather, assert_same_layout, axis_size, broadcast,
-                                reduce_scatter, shard, vary)
+                                is_varying, reduce_scatter, shard, vary)
 from jpack._internal import dtype_name
 from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
 from jpack._layout import PARTITION_HINT, Layout, plan, retyped
@@ -35,10 +35,13 @@ class TrainState(NamedTuple):
       modes.
     opt_state: the optimizer state (its slices, split over the axis, in "sharded" mode).
     step: the number of steps taken.
+    model_state: with ``has_state=True``, the model's state that is not trained (Flax's
+      ``batch_stats``), replicated; otherwise None.
   """
   params: Any
   opt_state: Any
   step: jax.Array
+  model_state: Any = None
 
 
 class DataParallel(NamedTuple):
@@ -54,7 +57,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                   params_like: Any, mesh: Mesh | None = None, *, axis_name: str = "batch",
                   mode: str = "packed", labels: Labels = None, comm_dtype: Any = None,
                   root: int = 0, use_pmap: bool = False, has_aux: bool = False,
-                  param_dtype: ParamDtype = None, accumulate: int = 1,
+                  has_state: bool = False, param_dtype: ParamDtype = None, accumulate: int = 1,
                   accumulator: str = "local", **plan_options: Any) -> DataParallel:
   """Build a jit-compiled data-parallel training step.
 
@@ -106,6 +109,16 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       ``aux`` (a tree of arrays or Python scalars, e.g. accuracy) is averaged over the
       devices like the loss and returned as ``metrics["aux"]``; integers and bools are
       averaged as float32 (a mean taken in uint8 would wrap), PRNG keys are refused.
+    has_state: the model has state that is not trained (Flax's ``batch_stats``):
+      ``loss_fn(params, model_state, batch)`` returns ``(loss, new_model_state)``, or
+      ``(loss, (new_model_state, aux))`` with ``has_aux``, like Flax's
+      ``model.apply(..., mutable=["batch_stats"])``; ``init(params, model_state)``
+      takes its first value, and `TrainState` carries it (replicated, broadcast from
+      ``root``). Floating leaves of the new state that differ between devices (batch
+      statistics of each device's own rows) are averaged over the axis every step;
+      leaves the model already keeps equal (``nn.BatchNorm(axis_name=axis_name)``
+      computes its statistics over the whole batch) are kept as they are. With
+      ``accumulate``, each micro-batch sees the state the previous one left.
     param_dtype: mixed precision, in the "packed" and "sharded" modes: the params are
       kept, and the loss sees them, in this dtype (``jnp.bfloat16``; a tree of dtypes,
       with None for leaves to keep, or a function of the params, as in
@@ -163,18 +176,20 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                        plan_options)
   packed_params = mode in ("packed", "sharded")
 
-  def local_init(params):
+  def local_init(params, model_state=None):
+    if model_state is not None:
+      model_state = broadcast(model_state, axis_name, root=root)
     if param_dtype is not None:  # the optimizer keeps the full-precision masters
       params = broadcast(params, axis_name, root=root)
       return TrainState(pack(cast_params(params, param_dtype), layout), tx.init(params),
-                        jnp.zeros((), jnp.int32))
+                        jnp.zeros((), jnp.int32), model_state)
     params = broadcast(params, axis_name, root=root, layout=layout)
     if packed_params:
       params = pack(params, layout)
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), model_state)
 
-  grads_fn = _accumulated_grads(loss_fn, has_aux, packed_params, axis_name, masters,
-                                accumulate, accumulator, comm_dtype)
+  grads_fn = _accumulated_grads(_with_state(loss_fn, has_aux, has_state), packed_params,
+                                axis_name, masters, accumulate, accumulator, comm_dtype)
   local_step = _per_device_step(grads_fn, tx, mode, axis_name, has_aux)
 
   def to_tree(state):
@@ -184,7 +199,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   init_layout = layout if param_dtype is None else plan(params_like, **plan_options)
   build = _build_pmap if use_pmap else _build_shard_map
   dp = build(local_init, local_step, to_tree, params_like, init_layout, axis_name, mesh,
-             mode, accumulate)
+             mode, accumulate, has_state)
   return dp._replace(layout=layout)
 
 
@@ -206,28 +221,42 @@ def _check_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
   return mesh
 
 
-def _accumulated_grads(loss_fn: Callable[..., Any], has_aux: bool, packed_params: bool,
-                       axis_name: str, masters: Layout, accumulate: int, accumulator: str,
-                       comm_dtype: Any) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
-  """``(params, batch) -> (loss, aux, grads)`` on one device: the mean over
-  ``accumulate`` micro-batches, with the gradients in the masters' dtypes (``masters``,
-  the layout the optimizer takes) and, with the "sharded" accumulator, already
-  reduce-scattered (`jpack.Shards`)."""
+def _with_state(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
+                ) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
+  """``loss_fn`` as ``(params, model_state, batch) -> (loss, (new_model_state, aux))``."""
+  def loss_of(params, model_state, batch):
+    if has_state:
+      loss, rest = loss_fn(params, model_state, batch)
+      model_state, aux = rest if has_aux else (rest, None)
+    else:
+      loss, aux = loss_fn(params, batch) if has_aux else (loss_fn(params, batch), None)
+    return loss, (model_state, aux)
+  return loss_of
 
-  def one(params, batch):
+
+def _accumulated_grads(loss_fn: Callable[..., Any], packed_params: bool, axis_name: str,
+                       masters: Layout, accumulate: int, accumulator: str, comm_dtype: Any
+                       ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any, Any]]:
+  """``(params, model_state, batch) -> (loss, aux, grads, model_state)`` on one device:
+  the mean over ``accumulate`` micro-batches, with the gradients in the masters' dtypes
+  (``masters``, the layout the optimizer takes) and, with the "sharded" accumulator,
+  already reduce-scattered (`jpack.Shards`). ``loss_fn`` is `_with_state`'s."""
+
+  def one(params, model_state, batch):
     def loss_of(p):
-      return loss_fn(unpack(p) if packed_params else p, batch)
+      return loss_fn(unpack(p) if packed_params else p, model_state, batch)
 
     # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
     # inserted by shard_map's autodiff) until the transformation reduces them in buckets.
-    value, grads = jax.value_and_grad(loss_of, has_aux=has_aux)(vary(params, axis_name))
-    loss, aux = value if has_aux else (value, None)
-    return loss, _aux_to_mean(aux), grads
+    (loss, (model_state, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        vary(params, axis_name))
+    return loss, _aux_to_mean(aux), grads, model_state
 
   if accumulate == 1:
-    def grads_of(params, batch):
-      loss, aux, grads = one(params, batch)
-      return loss, aux, as_layout(grads, masters) if packed_params else grads
+    def grads_of(params, model_state, batch):
+      loss, aux, grads, model_state = one(params, model_state, batch)
+      return (loss, aux, as_layout(grads, masters) if packed_params else grads,
+              model_state)
     return grads_of
 
   # Accumulated in at least float32: a sum of bfloat16 gradients would lose their bits.
@@ -249,22 +278,49 @@ def _accumulated_grads(loss_fn: Callable[..., Any], has_aux: bool, packed_params
       return Shards(tuple(jnp.zeros(b.size // n, b.dtype) for b in wide.buckets), wide)
     return Packed(tuple(jnp.zeros(b.size, b.dtype) for b in wide.buckets), wide)
 
-  def grads_of(params, batch):
+  def grads_of(params, model_state, batch):
     micro = jax.tree.map(lambda x: x.reshape((accumulate, -1) + x.shape[1:]), batch)
 
-    def add(total, micro_batch):
-      loss, aux, grads = one(params, micro_batch)
-      return jax.tree.map(jnp.add, total, widen(grads)), (loss, aux)
+    def add(carry, micro_batch):
+      total, model_state = carry
+      loss, aux, grads, model_state = one(params, model_state, micro_batch)
+      return (jax.tree.map(jnp.add, total, widen(grads)), model_state), (loss, aux)
 
-    total, (losses, aux) = lax.scan(add, vary(zeros(params), axis_name), micro)
+    if model_state is not None:  # the carry's type: as the loss leaves it
+      model_state = _match_varying(model_state, jax.eval_shape(
+          lambda: one(params, model_state, jax.tree.map(lambda x: x[0], micro))[3]),
+          axis_name)
+    (total, model_state), (losses, aux) = lax.scan(
+        add, (vary(zeros(params), axis_name), model_state), micro)
     mean = jax.tree.map(lambda g: g / accumulate, total)
     if packed_params:
       mean = as_layout(mean, masters)
     else:
       mean = jax.tree.map(lambda g, p: g.astype(p.dtype), mean, params)
-    return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), mean
+    return (jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), mean,
+            model_state)
 
   return grads_of
+
+
+def _match_varying(tree: Any, like: Any, axis_name: str) -> Any:
+  """``tree`` typed as varying over the axis where ``like`` is (a scan's carry must keep
+  its type, and a model state the loss computes per device comes out varying)."""
+  return jax.tree.map(lambda x, l: vary(x, axis_name) if is_varying(l, axis_name) else x,
+                      tree, like)
+
+
+def _average_state(model_state: Any, axis_name: str) -> Any:
+  """The new model state, equal on every device: floating leaves that differ between
+  devices (per-device batch statistics) are averaged; other varying leaves are taken
+  from device 0 (they should not differ)."""
+  def one(x):
+    if not is_varying(x, axis_name):
+      return x
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return lax.pmean(x, axis_name)
+    return broadcast(x, axis_name, root=0)
+  return jax.tree.map(one, model_state)
 
 
 def _accumulation_dtype(dtype: Any) -> np.dtype:
@@ -292,7 +348,8 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
   """One device's step: loss -> gradient -> the mode's transformation -> apply."""
 
   def local_step(state, batch):
-    loss, aux, grads = grads_of(state.params, batch)
+    loss, aux, grads, model_state = grads_of(state.params, state.model_state, batch)
+    model_state = _average_state(model_state, axis_name)
     loss, aux = lax.pmean((loss, aux), axis_name)
     # Metrics may read the params: computed before any update (the transformations
     # order their updates after the gradients and the loss), no donated param is copied.
@@ -306,13 +363,13 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
     metrics = {"loss": loss, "grad_norm": _grad_norm(opt_state)}
     if has_aux:
       metrics["aux"] = aux
-    return TrainState(params, opt_state, state.step + 1), metrics
+    return TrainState(params, opt_state, state.step + 1, model_state), metrics
 
   return local_step
 
 
 def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                     mode, accumulate) -> DataParallel:
+                     mode, accumulate, has_state) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.shard_map`: the state
   replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
   replicated = NamedSharding(mesh, P())
@@ -321,22 +378,29 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
       jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                    params_like))
   state_specs = _state_specs(state_shapes, axis_name, mode)
+  if has_state:  # replicated, whatever its structure (known only at init)
+    state_specs = state_specs._replace(model_state=P())
 
   init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=state_specs))
   step_sm = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(axis_name)),
                                   out_specs=(state_specs, P())), donate_argnums=0)
 
-  def init(params):
+  def init(params, model_state=None):
+    _check_model_state(model_state, has_state)
     assert_same_layout(layout)
     flatten_like(params, layout)  # before device_put would make float64 leaves float32
-    return init_sm(jax.tree.map(lambda x: _replicate(x, replicated), params))
+    return init_sm(*jax.tree.map(lambda x: _replicate(x, replicated), (params, model_state)))
 
   batch_sharding = NamedSharding(mesh, P(axis_name))
 
   bounded = cpu.bound_in_flight(list(mesh.devices.flat))
 
-  state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs,
+  specs_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs,
                                  is_leaf=lambda x: isinstance(x, P))
+
+  def shardings_of(state):
+    return specs_shardings._replace(model_state=jax.tree.map(lambda _: replicated,
+                                                             state.model_state))
 
   def step(state, batch):
     _check_state(state, mode)
@@ -345,10 +409,10 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
             (isinstance(counter, jax.Array) and counter.sharding == replicated)):
       # A host copy of the state, or one restored onto a single device: place it all
       # (checked on the counter alone, so a placed state costs nothing per leaf).
-      state = jax.tree.map(_place, state, state_shardings)
+      state = jax.tree.map(_place, state, shardings_of(state))
     elif mode == "sharded":  # a restored or host copy of the slices: split them again
       state = state._replace(opt_state=jax.tree.map(_place, state.opt_state,
-                                                    state_shardings.opt_state))
+                                                    specs_shardings.opt_state))
     batch = _place_batch(batch, batch_sharding, axis_name, accumulate)
     try:
       out = step_sm(state, batch)
@@ -359,10 +423,10 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
       misplaced = jax.tree.leaves(jax.tree.map(
           lambda x, sh: (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
                          and x.is_fully_addressable and x.sharding != sh),
-          state, state_shardings))
+          state, shardings_of(state)))
       if not any(misplaced):
         raise
-      out = step_sm(jax.tree.map(_place, state, state_shardings), batch)
+      out = step_sm(jax.tree.map(_place, state, shardings_of(state)), batch)
     bounded(out[1]["loss"])
     return out
 
@@ -530,6 +594,16 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
                     P())
 
 
+def _check_model_state(model_state: Any, has_state: bool) -> None:
+  if has_state and model_state is None:
+    raise TypeError("data_parallel(..., has_state=True) carries a model state: pass its "
+                    "first value, init(params, model_state) (e.g. "
+                    "variables['batch_stats']).")
+  if not has_state and model_state is not None:
+    raise TypeError("init got a model_state, but the step was built without "
+                    "has_state=True, so loss_fn would never see it.")
+
+
 def _check_state(state: TrainState, mode: str) -> None:
   """What ``step`` can tell about a state before it traces: a tree where the packed
   modes keep a `Packed` (``fresh._replace(params=tree)`` when restoring; shard_map's own
@@ -571,7 +645,7 @@ def _aux_to_mean(aux: Any) -> Any:
 
 
 def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                mode, accumulate) -> DataParallel:
+                mode, accumulate, has_state) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.pmap`: the state carries a
   leading device axis, and the global batch is split into it."""
   del params_like
@@ -580,7 +654,8 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
   init_p = jax.pmap(local_init, axis_name=axis_name, devices=devices)
   step_p = jax.pmap(local_step, axis_name=axis_name, devices=devices, donate_argnums=0)
 
-  def init(params):
+  def init(params, model_state=None):
+    _check_model_state(model_state, has_state)
     assert_same_layout(layout)
     flatten_like(params, layout)
     def stack(x):  # a tracer when init itself is traced (jax.eval_shape, jit)
@@ -588,8 +663,7 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
         return jnp.broadcast_to(x, (n,) + x.shape)
       return np.broadcast_to(np.asarray(x), (n,) + np.shape(x))
 
-    stacked = jax.tree.map(stack, params)
-    return init_p(stacked)
+    return init_p(*jax.tree.map(stack, (params, model_state)))
 
   def split(path, x):
     _check_splits(path, np.shape(x), n, axis_name)

@@ -91,3 +91,36 @@ for i, batch in enumerate(batches(100)):
     if i % 10 == 9:
         print(f"step {i + 1}: loss {float(loss):.3f}")  # also waits for the step
 # --8<-- [end:shard_map]
+
+# --8<-- [start:batch_norm]
+class CNNish(nn.Module):
+    axis_name: str | None = None          # "batch": statistics over the whole batch
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(128, use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                         axis_name=self.axis_name)(x)
+        return nn.Dense(10)(nn.relu(x))
+
+bn_model = CNNish(axis_name="batch")
+variables = CNNish().init(jax.random.key(0), jnp.zeros((1, 64)))
+bn_params, batch_stats = variables["params"], variables["batch_stats"]
+
+def bn_loss(params, batch_stats, batch):
+    logits, updates = bn_model.apply({"params": params, "batch_stats": batch_stats},
+                                     batch["image"], mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, updates["batch_stats"]  # (loss, new model state)
+
+dp = jpack.data_parallel(bn_loss, optax.adamw(1e-2), bn_params, mesh, has_state=True)
+state = dp.init(bn_params, batch_stats)   # the model state is carried next to the params
+for batch in batches(100):
+    state, metrics = dp.step(state, batch)
+
+eval_logits = CNNish().apply({"params": dp.params(state), "batch_stats": state.model_state},
+                             test["image"], train=False)
+bn_accuracy = float((eval_logits.argmax(-1) == test["label"]).mean())
+print(f"with BatchNorm: test accuracy {bn_accuracy:.2f}")
+assert bn_accuracy > 0.8
+# --8<-- [end:batch_norm]

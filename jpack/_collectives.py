@@ -24,21 +24,12 @@ from jpack._pack import Packed, buckets_repr, check_buckets, pack, unpack
 
 AxisName = Any
 
-# all_gather marks its result as varying over the axis, so shard_map's replication check
-# rejects out_specs=P() for it; all_gather_invariant says what is true (every device holds
-# the same buffer) but is not re-exported by jax.lax in every version.
-try:
-  _all_gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
-except AttributeError:
-  from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
-
-
 def _all_gather(x: Any, axis_name: AxisName, **kwargs: Any) -> Any:
-  """all_gather_invariant of a value varying over the axis (shard_map, pmap); a plain
-  all_gather otherwise: ``jax.vmap(axis_name=)`` has no varying/invariant types and
-  all_gather_invariant refuses to run there."""
+  """An all-gather whose result is typed invariant over the axis (every device holds the
+  same buffer), so shard_map accepts ``out_specs=P()`` for it; a plain all_gather where
+  the value is not varying (``jax.vmap(axis_name=)`` has no varying/invariant types)."""
   if is_varying(x, axis_name):
-    return _all_gather_invariant(x, axis_name, **kwargs)
+    return lax.all_gather(x, axis_name, to="invarying", **kwargs)
   return lax.all_gather(x, axis_name, **kwargs)
 
 

@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
-from jpack._collectives import axis_size, pmean, psum
+from jpack import _cpu as cpu
+from jpack._collectives import all_gather, axis_size, pmean, psum, reduce_scatter
 from jpack._internal import sum_of_squares
 from jpack._layout import Layout, check_plan_options, plan, retyped
 from jpack._pack import Packed, pack, unpack
@@ -64,13 +66,44 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     if not isinstance(updates, Packed):
       packed = pack(updates, **{"num_shards": axis_size(axis_name), **plan_options})
     options = {"allow_int": allow_int} if mean else {}
-    reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
-    if grad_norm:
-      state = AllReduceState(jnp.sqrt(sum_of_squares(reduced.buckets)))  # padding adds 0
+    if grad_norm and _norm_on_slices(packed.layout, axis_name, mean, method):
+      reduced, norm = _pmean_and_norm(packed, axis_name, comm_dtype)
+      state = AllReduceState(norm)
+    else:
+      reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
+      if grad_norm:
+        state = AllReduceState(jnp.sqrt(sum_of_squares(reduced.buckets)))  # padding adds 0
     # Static slices: in a step they fuse into the optimizer's update.
     return (reduced if isinstance(updates, Packed) else unpack(reduced)), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _norm_on_slices(layout: Layout, axis_name: Any, mean: bool, method: str) -> bool:
+  """Whether `_pmean_and_norm` applies: averaged floating buckets that split evenly."""
+  n = axis_size(axis_name)
+  return mean and method == "auto" and n > 1 and all(
+      b.size % n == 0 and jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets)
+
+
+def _pmean_and_norm(packed: Packed, axis_name: Any, comm_dtype: Any) -> tuple[Packed, jax.Array]:
+  """`jpack.pmean` of ``packed`` and the global norm of the result.
+
+  On CPU the mean is a reduce-scatter and an all-gather anyway, and the devices share
+  the host's memory bandwidth: each squares only its slice, between the two, instead of
+  every device reading every bucket (a pass over the whole gradient per device).
+  Elsewhere one all-reduce per bucket, and the norm of the result.
+  """
+  def plain(p):
+    reduced = pmean(p, axis_name, comm_dtype=comm_dtype)
+    return reduced, jnp.sqrt(sum_of_squares(reduced.buckets))  # padding adds 0
+
+  def on_slices(p):
+    shards = reduce_scatter(p, axis_name, mean=True, comm_dtype=comm_dtype)
+    norm = jnp.sqrt(lax.psum(sum_of_squares(shards.buckets), axis_name))
+    return all_gather(shards, axis_name), norm
+
+  return cpu.choose(on_slices, plain, packed)
 
 
 class AllReduceState(NamedTuple):

@@ -28,6 +28,26 @@ The jpack variants:
   packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
   sharded       ``mode="sharded"``: ZeRO-1, ``jpack.optax.sharded(adam)`` on packed params
 
+Mixed precision, ``param_dtype=jnp.bfloat16``: bf16 params for the loss, f32 masters in
+the optimizer state (replicated in packed, split 1/N like the moments in sharded), the
+new params all-gathered in bf16 in sharded. Their parameter difference from per-leaf is
+bf16 rounding, not a check:
+
+  packed, bf16 params    ``mode="packed", param_dtype=jnp.bfloat16``
+  sharded, bf16 params   ``mode="sharded", param_dtype=jnp.bfloat16``
+
+Gradient accumulation over 4 micro-batches (each device's rows of the batch, split in
+4), one adam update per step, against the usual way to write it:
+
+  per-leaf + MultiSteps  the per-leaf step with ``optax.MultiSteps(adam, 4)``, called
+                         4 times per measured step on micro-batches of 1/4 of the batch:
+                         an all-reduce of every gradient leaf on every micro-step
+  packed, accumulate=4   ``mode="packed", accumulate=4``: micro-batches under lax.scan,
+                         gradients summed in f32 buckets, reduced once per step
+  sharded, accumulate=4  the same in ``mode="sharded"``
+  sharded, acc=4 ZeRO-2  ``mode="sharded", accumulate=4, accumulator="sharded"``: every
+                         micro-step's gradients reduce-scattered into a 1/N accumulator
+
 And bounds, which are not adam steps:
 
   grads only    loss + gradients, no collective, no update. Every step does at least
@@ -41,10 +61,13 @@ Reported per variant: compile time (lower + compile of the step); median step ti
 several timed blocks of steps (variants interleaved, block by block); speed-up over
 per-leaf; "gap closed", the share of per-leaf's time above the grads-only floor that the
 variant removes, (t_per_leaf - t_variant) / (t_per_leaf - t_grads_only), all from the same
-run; the collectives in the compiled step (AR all-reduce, RS reduce-scatter, AG
-all-gather, A2A all-to-all) and their bytes; optimizer-state bytes per device; and the
-largest parameter difference from the per-leaf variant after the same steps (a sanity
-check: every adam variant is the same optimizer).
+run; for the accumulation rows, the speed-up over per-leaf + MultiSteps; the collectives
+in the compiled step (AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all)
+and their bytes, counted once per program (ops inside a loop body are marked, and run
+once per iteration); optimizer-state bytes per device; the bytes of params + optimizer
+state (masters and moments) per device, also in units of Ψ = the parameter count; and
+the largest parameter difference from the per-leaf variant after the same steps (a
+sanity check: every adam variant is the same optimizer, with the same updates).
 
     python -m benchmarks step                  # mlp_40x256 and mlp_24x1024
     python -m benchmarks step --quick          # mlp_40x256 only, fewer steps
@@ -56,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 import sys
 import time
@@ -96,20 +120,49 @@ VARIANTS = {
     "packed_bf16": "jpack packed bf16",
     "sharded": "jpack sharded",
     "hand_zero1": "hand-written ZeRO-1",
+    "packed_bf16_params": "jpack packed, bf16 params",
+    "sharded_bf16": "jpack sharded, bf16 params",
+    "per_leaf_multisteps4": "per-leaf + MultiSteps k=4",
+    "packed_acc4": "jpack packed, accumulate=4",
+    "sharded_acc4": "jpack sharded, accumulate=4",
+    "sharded_acc4_zero2": "jpack sharded, acc=4 ZeRO-2",
     "grad_only": "bound: grads only",
     "packed_grad_only": "bound: packed grads only",
     "sharded_sgd": "bound: ZeRO-1 with sgd",
 }
-# The jpack.data_parallel variants: key -> (mode, comm_dtype, optimizer).
+ACCUMULATE = 4  # micro-batches per step of the accumulation rows
+MULTISTEPS = "per_leaf_multisteps4"  # their baseline
+
+
+class JpackVariant(NamedTuple):
+  """The `jpack.data_parallel` arguments of a variant."""
+  mode: str
+  optimizer: Callable[[float], optax.GradientTransformation] = optax.adam
+  comm_dtype: Any = None
+  param_dtype: Any = None
+  accumulate: int = 1
+  accumulator: str = "local"
+
+
 DATA_PARALLEL = {
-    "allreduce": ("allreduce", None, optax.adam),
-    "packed": ("packed", None, optax.adam),
-    "packed_bf16": ("packed", jnp.bfloat16, optax.adam),
-    "sharded": ("sharded", None, optax.adam),
-    "sharded_sgd": ("sharded", None, optax.sgd),
+    "allreduce": JpackVariant("allreduce"),
+    "packed": JpackVariant("packed"),
+    "packed_bf16": JpackVariant("packed", comm_dtype=jnp.bfloat16),
+    "sharded": JpackVariant("sharded"),
+    "packed_bf16_params": JpackVariant("packed", param_dtype=jnp.bfloat16),
+    "sharded_bf16": JpackVariant("sharded", param_dtype=jnp.bfloat16),
+    "packed_acc4": JpackVariant("packed", accumulate=ACCUMULATE),
+    "sharded_acc4": JpackVariant("sharded", accumulate=ACCUMULATE),
+    "sharded_acc4_zero2": JpackVariant("sharded", accumulate=ACCUMULATE,
+                                       accumulator="sharded"),
+    "sharded_sgd": JpackVariant("sharded", optimizer=optax.sgd),
 }
 # Variants that are not adam, or not a step: no parameter comparison with per-leaf.
 NOT_COMPARABLE = ("per_leaf", "grad_only", "packed_grad_only", "sharded_sgd")
+# Variants whose params are bf16: their difference from per-leaf is the rounding's.
+BF16_PARAMS = tuple(k for k, v in DATA_PARALLEL.items() if v.param_dtype is not None)
+# Variants that accumulate micro-batches, compared with per-leaf + MultiSteps.
+ACCUMULATING = (MULTISTEPS,) + tuple(k for k, v in DATA_PARALLEL.items() if v.accumulate > 1)
 FLOOR = "grad_only"
 
 
@@ -183,12 +236,17 @@ MODELS = {
     "mlp_24x1024": lambda: mlp(24, 1024),
     "mlp_400x32": lambda: mlp(400, 32),
     "mlp_4x32": lambda: mlp(4, 32),  # a smoke test of the benchmark itself
+    # A smoke test whose buckets need no padding in bf16 or f32 on 8 devices: its bf16
+    # and f32 bytes compare exactly 1:2.
+    "mlp_4x256": lambda: mlp(4, 256),
 }
 DEFAULT_MODELS = ("mlp_40x256", "mlp_24x1024")
 # Every variant keeps its state alive while they are timed round-robin: on big models
-# only these run by default (ResNet-50 holds gigabytes of replicated state per variant).
+# only these run by default (ResNet-50 holds gigabytes of replicated state per variant;
+# the sharded ones added to the list hold little).
 BIG_MODEL_VARIANTS = ("per_leaf", "ravel", "jit", "jit_zero1", "allreduce", "packed",
-                      "sharded", "hand_zero1", "grad_only", "packed_grad_only")
+                      "sharded", "hand_zero1", "sharded_bf16", "sharded_acc4_zero2",
+                      "grad_only", "packed_grad_only")
 BIG_MODEL_PARAMS = 10_000_000
 
 
@@ -202,10 +260,12 @@ class State(NamedTuple):
 
 
 class Step(NamedTuple):
-  """A variant's functions, the three that `jpack.DataParallel` also has."""
+  """A variant's functions, the three that `jpack.DataParallel` also has, and how many
+  calls of ``step`` make one measured step (each on that share of every device's rows)."""
   init: Callable[[Any], Any]                    # host params -> placed state
   step: Callable[[Any, Any], tuple[Any, dict]]  # (state, batch) -> (new state, metrics)
   params: Callable[[Any], Any]                  # state -> params as the original tree
+  calls: int = 1
 
 
 def _per_device(tree: Any) -> Any:
@@ -420,17 +480,29 @@ def _sharded_state_step(local_init: Callable, local_step: Callable, mesh, params
   return Step(lambda p: init(jax.device_put(p, replicated)), step, jax.jit(to_tree))
 
 
+def _multi_steps(model: Model, mesh, k: int) -> Step:
+  """Accumulation as optax offers it: the per-leaf step with ``optax.MultiSteps(adam, k)``,
+  called ``k`` times per step. Every call all-reduces its micro-batch's gradients, and
+  MultiSteps applies adam to their mean on the k-th."""
+  adam = optax.MultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
+  step = _plain_step(model, mesh, optax.stateless(_per_leaf_pmean),
+                     adam.gradient_transformation())
+  return step._replace(calls=k)
+
+
 def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
   """Variant ``key``'s step: a `Step`, or the `jpack.DataParallel` of a jpack mode."""
   if key in DATA_PARALLEL:
-    mode, comm_dtype, optimizer = DATA_PARALLEL[key]
-    return jpack.data_parallel(model.loss, optimizer(LEARNING_RATE), model.params, mesh,
-                               axis_name=AXIS, mode=mode, comm_dtype=comm_dtype,
-                               **plan_options)
+    v = DATA_PARALLEL[key]
+    return jpack.data_parallel(model.loss, v.optimizer(LEARNING_RATE), model.params, mesh,
+                               axis_name=AXIS, mode=v.mode, comm_dtype=v.comm_dtype,
+                               param_dtype=v.param_dtype, accumulate=v.accumulate,
+                               accumulator=v.accumulator, **plan_options)
   adam = optax.adam(LEARNING_RATE)
   per_leaf = optax.stateless(_per_leaf_pmean)
   builders = {
       "per_leaf": lambda: _plain_step(model, mesh, per_leaf, adam),
+      MULTISTEPS: lambda: _multi_steps(model, mesh, ACCUMULATE),
       "ravel": lambda: _plain_step(model, mesh, optax.stateless(_ravel_pmean), adam),
       "flatten": lambda: _plain_step(model, mesh, per_leaf, optax.flatten(adam)),
       "jit": lambda: _jit_step(model, mesh),
@@ -456,7 +528,10 @@ class Result:
   step_s: float
   block_s: list[float]  # mean step time of every timed block
   colls: c.Collectives
+  loop_colls: c.Collectives  # those of `colls` in a loop body: they run every iteration
+  calls: int            # compiled calls per step
   opt_bytes: int
+  state_bytes: int      # params + optimizer state (masters included), per device
   params: Any  # final params, host numpy tree
   loss: float
 
@@ -470,32 +545,94 @@ def _bytes_per_device(tree: Any) -> int:
   return total
 
 
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s*\(")
+_LOOP_BODY_RE = re.compile(r"\bbody=(%[\w.\-]+)")
+_NAME_RE = re.compile(r"%[\w.\-]+")
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """The lines of each computation in HLO text, by name."""
+  computations: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION_RE.match(line)
+    if m and line.rstrip().endswith("{"):
+      current = computations.setdefault(m.group(1), [])
+    elif current is not None:
+      current.append(line)
+  return computations
+
+
+def loop_collectives(hlo_text: str) -> c.Collectives:
+  """The collectives in while-loop bodies (and what they call): the count of the whole
+  program has them once, yet they run once per iteration (lax.scan's micro-steps)."""
+  computations = _computations(hlo_text)
+  todo = [b for lines in computations.values() for line in lines
+          for b in _LOOP_BODY_RE.findall(line)]
+  inside: set[str] = set()
+  while todo:
+    name = todo.pop()
+    if name in inside or name not in computations:
+      continue
+    inside.add(name)
+    todo += [ref for line in computations[name] for ref in _NAME_RE.findall(line)
+             if ref in computations]
+  return c.count_collectives("\n".join(line for name in inside
+                                       for line in computations[name]))
+
+
+def _micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
+  """``batch`` as ``k`` batches placed like it, the j-th holding micro-batch j of every
+  device's rows: the split ``data_parallel(accumulate=k)`` makes on each device."""
+  if k == 1:
+    return [batch]
+
+  def part(x, j):
+    rows = np.asarray(x).reshape((devices, k, -1) + x.shape[1:])[:, j]
+    return jax.device_put(rows.reshape((-1,) + x.shape[1:]), x.sharding)
+
+  return [jax.tree.map(lambda x: part(x, j), batch) for j in range(k)]
+
+
 @dataclasses.dataclass
 class _Prepared:
   key: str
   step: Any  # a Step or a jpack.DataParallel
   compiled: c.Compiled
   state: Any
+  batches: list[Any]  # what one step calls the compiled step on, in order
   times: list[float]
 
 
 def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepared:
   step = build(key, model, mesh, plan_options)
+  batches = _micro_batches(batch, getattr(step, "calls", 1), mesh.shape[AXIS])
   state = jax.block_until_ready(step.init(model.params))
-  compiled = c.compile_fn(step.step, state, batch, jit_kwargs={"donate_argnums": 0})
-  state, _ = compiled.fn(state, batch)  # warm-up
-  return _Prepared(key, step, compiled, jax.block_until_ready(state), [])
+  compiled = c.compile_fn(step.step, state, batches[0], jit_kwargs={"donate_argnums": 0})
+  for b in batches:  # warm-up: one whole step, so every variant takes as many updates
+    state, _ = compiled.fn(state, b)
+  return _Prepared(key, step, compiled, jax.block_until_ready(state), batches, [])
 
 
-def _time_block(p: _Prepared, batch, steps: int) -> Any:
+def _time_block(p: _Prepared, steps: int) -> Any:
   state = p.state
   t0 = time.perf_counter()
   for _ in range(steps):
-    state, metrics = p.compiled.fn(state, batch)
+    for b in p.batches:
+      state, metrics = p.compiled.fn(state, b)
   jax.block_until_ready(state)
   p.times.append((time.perf_counter() - t0) / steps)
   p.state = state
   return metrics
+
+
+def _result(p: _Prepared, metrics: dict) -> Result:
+  text = p.compiled.text()
+  return Result(p.key, p.compiled, statistics.median(p.times), p.times,
+                c.count_collectives(text), loop_collectives(text), len(p.batches),
+                _bytes_per_device(p.state.opt_state),
+                _bytes_per_device((p.state.params, p.state.opt_state)),
+                jax.tree.map(np.asarray, p.step.params(p.state)), float(metrics["loss"]))
 
 
 def _measure(model: Model, keys: list[str], mesh, batch, *, steps: int, blocks: int,
@@ -514,15 +651,8 @@ def _measure(model: Model, keys: list[str], mesh, batch, *, steps: int, blocks: 
   metrics = {}
   for _ in range(blocks):
     for key, p in prepared.items():
-      metrics[key] = _time_block(p, batch, steps)
-  results = {}
-  for key, p in prepared.items():
-    results[key] = Result(key, p.compiled, statistics.median(p.times), p.times,
-                          c.count_collectives(p.compiled.text()),
-                          _bytes_per_device(p.state.opt_state),
-                          jax.tree.map(np.asarray, p.step.params(p.state)),
-                          float(metrics[key]["loss"]))
-  return results
+      metrics[key] = _time_block(p, steps)
+  return {key: _result(p, metrics[key]) for key, p in prepared.items()}
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -544,6 +674,37 @@ def _fmt_share(x: float | None) -> str:
   return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _collectives_cell(r: Result) -> str:
+  """E.g. ``AR1 RS3 AG3``, ``... (RS3 in loop)`` where some run once per loop iteration,
+  ``... x4 calls`` where a step calls the compiled program several times."""
+  cell = r.colls.short()
+  if any(r.loop_colls.count.values()):
+    cell += f" ({r.loop_colls.short()} in loop)"
+  return cell + (f" x{r.calls} calls" if r.calls > 1 else "")
+
+
+def _state_cell(nbytes: int, num_params: int) -> str:
+  """Bytes per device, and in units of Ψ (the parameter count): 12.0Ψ is f32 params and
+  adam's two f32 moments, replicated."""
+  return f"{c.human_bytes(nbytes)} ({nbytes / num_params:.1f}Ψ)"
+
+
+def _diff_cell(key: str, diff: float | None) -> str:
+  if diff is None:
+    return "-"
+  return f"{diff:.1e} (bf16)" if key in BF16_PARAMS else f"{diff:.1e}"
+
+
+def _param_dtype(key: str) -> str:
+  v = DATA_PARALLEL.get(key)
+  return np.dtype(v.param_dtype).name if v and v.param_dtype is not None else "float32"
+
+
+def _accumulate(key: str) -> int:
+  return ACCUMULATE if key == MULTISTEPS else (
+      DATA_PARALLEL[key].accumulate if key in DATA_PARALLEL else 1)
+
+
 def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: int,
                 blocks: int, per_device_batch: int = PER_DEVICE_BATCH,
                 plan_options: dict | None = None,
@@ -561,28 +722,42 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
                      plan_options=plan_options)
 
   base, floor = results.get("per_leaf"), results.get(FLOOR)
-  table = c.Table(["variant", "compile s", "step ms", "speed-up", "gap closed", "goal",
-                   "collectives", "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf"],
+  multi = results.get(MULTISTEPS)
+  table = c.Table(["variant", "compile s", "step ms", "speed-up", "vs MultiSteps",
+                   "gap closed", "goal", "collectives", "coll. bytes", "opt state/dev",
+                   "params+opt/dev", "max |Δp| vs per-leaf"],
                   title=f"{model.describe} ({model.num_leaves} leaves, "
                         f"{model.num_params / 1e6:.2f} M params), adam, {num_devices} devices")
   for key, r in results.items():
     speedup = c.ratio(base.step_s, r.step_s) if base else None
+    vs_multi = c.ratio(multi.step_s, r.step_s) if multi and key in ACCUMULATING else None
     closed = gap_closed(base and base.step_s, r.step_s, floor and floor.step_s)
     goal = GOALS.get((model.name, key))
     verdict = "" if goal is None or speedup is None else (
         f">={goal:g}x {c.verdict(speedup >= goal)}")
     diff = (None if key in NOT_COMPARABLE or base is None
             else _max_diff(r.params, base.params))
+    diff_multi = (_max_diff(r.params, multi.params)
+                  if multi and key in ACCUMULATING and key != MULTISTEPS else None)
     coll_bytes = sum(r.colls.result_bytes.values())
     table.add(VARIANTS[key], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
-              c.fmt_ratio(speedup), _fmt_share(closed), verdict, r.colls.short(),
-              c.human_bytes(coll_bytes) if coll_bytes else "-", c.human_bytes(r.opt_bytes),
-              "-" if diff is None else f"{diff:.1e}",
+              c.fmt_ratio(speedup), c.fmt_ratio(vs_multi), _fmt_share(closed), verdict,
+              _collectives_cell(r), c.human_bytes(coll_bytes) if coll_bytes else "-",
+              c.human_bytes(r.opt_bytes), _state_cell(r.state_bytes, model.num_params),
+              _diff_cell(key, diff),
               model=model.name, key=key, leaves=model.num_leaves, params=model.num_params,
+              psi=model.num_params, param_dtype=_param_dtype(key),
+              accumulate=_accumulate(key), calls_per_step=r.calls,
               lower_s=r.compiled.lower_s, compile_s=r.compiled.compile_s, step_s=r.step_s,
-              block_step_s=r.block_s, speedup_vs_per_leaf=speedup, gap_closed=closed,
-              goal_speedup=goal, **c.collective_values(r.colls), opt_state_bytes=r.opt_bytes,
-              max_param_diff_vs_per_leaf=diff, final_loss=r.loss)
+              block_step_s=r.block_s, speedup_vs_per_leaf=speedup,
+              speedup_vs_multisteps=vs_multi, gap_closed=closed,
+              goal_speedup=goal, **c.collective_values(r.colls),
+              collectives_in_loop=r.loop_colls.count,
+              collective_bytes_in_loop=r.loop_colls.result_bytes,
+              opt_state_bytes=r.opt_bytes, state_bytes_per_device=r.state_bytes,
+              state_bytes_per_param=r.state_bytes / model.num_params,
+              max_param_diff_vs_per_leaf=diff, max_param_diff_vs_multisteps=diff_multi,
+              final_loss=r.loss)
   report.table(table)
   return results
 
@@ -613,6 +788,22 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _with_accumulation(variants: list[str], per_device_batch: int, *, explicit: bool,
+                       error: Callable[[str], Any]) -> list[str]:
+  """``variants``, less the accumulation rows when the per-device batch does not split
+  into their micro-batches (refused when they were asked for by name)."""
+  if per_device_batch % ACCUMULATE == 0:
+    return variants
+  dropped = [v for v in variants if v in ACCUMULATING]
+  if dropped and explicit:
+    error(f"--batch {per_device_batch} does not split into {ACCUMULATE} micro-batches, "
+          f"which {', '.join(dropped)} need")
+  if dropped:
+    print(f"(per-device batch {per_device_batch} does not split into {ACCUMULATE} "
+          f"micro-batches: skipping {', '.join(dropped)})")
+  return [v for v in variants if v not in ACCUMULATING]
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = _parser()
@@ -629,6 +820,8 @@ def main(argv: list[str] | None = None) -> int:
   unknown = set(variants) - set(VARIANTS)
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+  explicit = args.variants != parser.get_default("variants")
+  variants = _with_accumulation(variants, args.batch, explicit=explicit, error=parser.error)
   c.require_devices(args.devices)
   steps = args.steps or (5 if args.quick else 10)
   blocks = args.blocks or (3 if args.quick else 5)
@@ -659,7 +852,19 @@ def main(argv: list[str] | None = None) -> int:
               "(per-leaf - variant) / (per-leaf - grads only) step times: the share of "
               "per-leaf's time above the grads-only floor that the variant removes. "
               "Collectives: AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all "
-              "ops in the compiled step, bytes = their result bytes.")
+              "ops in the compiled step, bytes = their result bytes; ops in a loop body "
+              "(lax.scan's micro-steps) are counted once and run once per iteration; "
+              "\"xK calls\": one step calls the compiled program K times.")
+  report.text("bf16 params: params kept and used by the loss in bfloat16, f32 masters in "
+              "the optimizer state; the difference from per-leaf's params is bf16 "
+              "rounding. params+opt/dev: bytes of params + optimizer state (masters and "
+              "moments) on one device, and in units of Ψ, the parameter count: f32 "
+              "replicated adam is 12Ψ, ZeRO-1 with bf16 params about 2Ψ + 12Ψ/N.")
+  report.text(f"Accumulation: {ACCUMULATE} micro-batches per step, one adam update of the "
+              f"whole batch. vs MultiSteps = per-leaf + optax.MultiSteps step time / variant "
+              f"step time: MultiSteps all-reduces every gradient leaf on every micro-step, "
+              f"jpack reduces the accumulated buckets once per step (ZeRO-2: reduce-scatters "
+              f"them every micro-step into a 1/N accumulator).")
   report.write(args)
   return 0
 

@@ -47,7 +47,7 @@ def _modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jpack._demo import ALL_MODES, COMM_DTYPES, DEMO_MODES
+  from jpack._demo import ALL_MODES, COMM_DTYPES, DEMO_MODES, PARAM_DTYPES
 
   parser = argparse.ArgumentParser(
       prog="jpack", description="jpack: pack JAX pytrees into per-dtype flat buckets.")
@@ -81,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="wire dtype of jpack's gradient collectives (none: the "
                          "gradients' own dtype); the per_leaf and jit steps ignore it; "
                          "default %(default)s")
+  demo.add_argument("--param-dtype", choices=PARAM_DTYPES, default="float32",
+                    help="dtype the loss sees the params in. bfloat16: the packed and "
+                         "sharded modes keep bf16 params with float32 master copies in the "
+                         "optimizer state (data_parallel's param_dtype=); per_leaf, jit and "
+                         "allreduce keep float32 params and cast them to bf16 for the loss; "
+                         "default %(default)s")
+  demo.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
+                    help="micro-batches per step, one update of the whole batch: "
+                         "data_parallel's accumulate= in the jpack modes, optax.MultiSteps "
+                         "(a gradient reduction per micro-batch) in per_leaf and jit; must "
+                         "divide the per-device batch; default %(default)s")
   demo.add_argument("--width", type=_positive_int, default=128,
                     help="MLP hidden width; default %(default)s")
   demo.add_argument("--depth", type=_positive_int, default=12,
@@ -117,6 +128,10 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
   if args.batch_size % args.devices:
     parser.error(f"--batch-size {args.batch_size} must be divisible by --devices "
                  f"{args.devices}")
+  per_device = args.batch_size // args.devices
+  if per_device % args.accumulate:
+    parser.error(f"--accumulate {args.accumulate} must divide the per-device batch "
+                 f"{per_device} (--batch-size / --devices) into equal micro-batches")
   steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick
                                                       else DEFAULT_STEPS)
   if steps < 2:
@@ -130,7 +145,8 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
   try:
     _demo.run(devices=args.devices, steps=steps, batch_size=args.batch_size,
               bucket_mib=args.bucket_mib, modes=args.modes, comm_dtype=args.comm_dtype,
-              out=args.out, seed=args.seed, width=args.width, depth=args.depth, lr=args.lr,
+              param_dtype=args.param_dtype, accumulate=args.accumulate, out=args.out,
+              seed=args.seed, width=args.width, depth=args.depth, lr=args.lr,
               progress=not args.no_progress)
   except ImportError as e:
     print(f"jpack demo: {e}", file=sys.stderr)

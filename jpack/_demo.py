@@ -21,6 +21,11 @@ from typing import Any, Sequence
 DEMO_MODES = ("per_leaf", "jit", "allreduce", "sharded")  # the default comparison
 ALL_MODES = ("per_leaf", "jit", "allreduce", "packed", "sharded")
 COMM_DTYPES = ("none", "float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16")
+# The modes that keep the params in param_dtype with float32 masters in the optimizer
+# state (data_parallel's param_dtype=); the others keep float32 params and cast them for
+# the loss, the same forward and backward with no separate masters.
+MASTER_MODES = ("packed", "sharded")
 # The usual steps without jpack: a shard_map step with a pmean per leaf (`per_leaf_step`,
 # the baseline) and plain jax.jit on sharded arrays (`jit_step`). Every other mode is
 # jpack.data_parallel's.
@@ -45,6 +50,9 @@ class ModeResult:
   grad_bytes: int               # gradient bytes sent into the reduction per step
   opt_state_bytes: int          # optimizer state bytes each device holds
   test_accuracy: float
+  params_as: str = "float32"    # how the params are kept (`params_kept_as`)
+  accumulate: int = 1           # micro-batches per step
+  state_bytes: int = 0          # params + optimizer state (masters included), per device
 
   @property
   def median_ms(self) -> float:
@@ -133,15 +141,20 @@ def init_mlp(key, in_dim: int, width: int, depth: int, classes: int) -> dict:
 def _layer_norm(p, x):
   import jax.numpy as jnp
 
-  mean = x.mean(-1, keepdims=True)
-  var = ((x - mean) ** 2).mean(-1, keepdims=True)
-  return (x - mean) / jnp.sqrt(var + 1e-5) * p["scale"] + p["bias"]
+  # Statistics in float32: a bfloat16 variance of nearly equal values loses its digits.
+  z = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  mean = z.mean(-1, keepdims=True)
+  var = ((z - mean) ** 2).mean(-1, keepdims=True)
+  z = (z - mean) / jnp.sqrt(var + 1e-5)
+  return z.astype(x.dtype) * p["scale"] + p["bias"]
 
 
 def forward(params: dict, x):
-  """Logits of the MLP."""
+  """Logits of the MLP, computed in the dtype of its params (bfloat16 params: bfloat16
+  activations, as mixed precision intends; a float32 input alone would promote them)."""
   import jax
 
+  x = x.astype(params["embed"]["w"].dtype)
   h = x @ params["embed"]["w"] + params["embed"]["b"]
   for name in sorted(k for k in params if k.startswith("block")):
     p = params[name]
@@ -154,17 +167,64 @@ def forward(params: dict, x):
 def loss_fn(params: dict, batch) -> Any:
   """Mean softmax cross-entropy over ``batch``: one device's slice in a shard_map step,
   the global batch under plain jit (the same mean, the slices being equal)."""
+  import jax.numpy as jnp
   import optax
 
   x, y = batch
-  return optax.softmax_cross_entropy_with_integer_labels(forward(params, x), y).mean()
+  logits = forward(params, x).astype(jnp.float32)  # the softmax in float32 at least
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def loss_in(loss_fn, param_dtype: Any = None):
+  """``loss_fn`` on the params cast to ``param_dtype`` (float32 params stay the masters:
+  their gradients come back float32 through the cast)."""
+  if param_dtype is None:
+    return loss_fn
+  import jpack
+
+  return lambda params, batch: loss_fn(jpack.cast_params(params, param_dtype), batch)
+
+
+def params_kept_as(mode: str, param_dtype: Any = None) -> str:
+  """How ``mode`` keeps the params: in ``param_dtype`` with float32 masters, or float32
+  (cast for the loss when ``param_dtype`` is set)."""
+  import numpy as np
+
+  if param_dtype is None:
+    return "float32"
+  name = np.dtype(param_dtype).name
+  return f"{name} + f32 master" if mode in MASTER_MODES else f"float32, {name} in loss"
 
 
 # -- the baseline ----------------------------------------------------------------------
 
 
-def per_leaf_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any:
+def _multi_steps(optimizer, accumulate: int) -> Any:
+  """``optimizer`` applied every ``accumulate`` calls to the mean of their gradients
+  (``optax.MultiSteps``), or ``optimizer`` itself."""
+  import optax
+
+  if accumulate == 1:
+    return optimizer
+  return optax.MultiSteps(optimizer, every_k_schedule=accumulate).gradient_transformation()
+
+
+def _micro_batches(batch, accumulate: int):
+  """Every leaf's rows as ``accumulate`` consecutive micro-batches (a new leading axis):
+  under shard_map this device's rows, split as ``data_parallel(accumulate=)`` splits
+  them."""
+  import jax
+
+  return jax.tree.map(lambda x: x.reshape((accumulate, -1) + x.shape[1:]), batch)
+
+
+def per_leaf_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = None,
+                  accumulate: int = 1, **plan_options) -> Any:
   """The usual data-parallel step without jpack: a ``lax.pmean`` per gradient leaf.
+
+  With ``param_dtype`` the loss sees the params cast to it; with ``accumulate`` > 1 the
+  step runs the usual accumulation, ``optax.MultiSteps``, over that many micro-batches
+  of each device's rows (`jax.lax.scan`), all-reducing every micro-batch's gradients.
 
   Returns a `jpack.DataParallel` like ``jpack.data_parallel`` does, over the mesh's
   first axis. Its ``layout``, planned as data_parallel plans it, is only reported: the
@@ -179,17 +239,30 @@ def per_leaf_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any
   import jpack
 
   axis = mesh.axis_names[0]
+  loss_fn = loss_in(loss_fn, param_dtype)
+  optimizer = _multi_steps(optimizer, accumulate)
 
-  def local_step(state, batch):
+  def update(carry, batch):
+    params, opt_state = carry
     # Differentiate w.r.t. this device's copy of the params: shard_map's autodiff would
     # otherwise all-reduce each gradient leaf by itself, before the pmean below.
-    mine = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), state.params)
+    mine = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), params)
     loss, grads = jax.value_and_grad(loss_fn)(mine, batch)
     grads = jax.tree.map(lambda g: jax.lax.pmean(g, axis), grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new = jpack.TrainState(optax.apply_updates(state.params, updates), opt_state,
-                           state.step + 1)
-    return new, {"loss": jax.lax.pmean(loss, axis), "grad_norm": optax.tree.norm(grads)}
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return ((optax.apply_updates(params, updates), opt_state),
+            (jax.lax.pmean(loss, axis), optax.tree.norm(grads)))
+
+  def local_step(state, batch):
+    carry = (state.params, state.opt_state)
+    if accumulate == 1:
+      (params, opt_state), (loss, norm) = update(carry, batch)
+    else:  # MultiSteps applies the optimizer on the last micro-batch
+      (params, opt_state), (losses, norms) = jax.lax.scan(
+          update, carry, _micro_batches(batch, accumulate))
+      loss, norm = losses.mean(), norms[-1]
+    new = jpack.TrainState(params, opt_state, state.step + 1)
+    return new, {"loss": loss, "grad_norm": norm}
 
   def local_init(p):
     return jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32))
@@ -203,10 +276,12 @@ def per_leaf_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any
                             lambda state: state.params, layout)
 
 
-def jit_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any:
+def jit_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = None,
+             accumulate: int = 1, **plan_options) -> Any:
   """Data parallelism as plain ``jax.jit`` gives it: a step over global arrays, params
   replicated and the batch split over the mesh's first axis by their shardings. XLA
-  partitions the step and inserts the gradient all-reduces itself.
+  partitions the step and inserts the gradient all-reduces itself. ``param_dtype`` and
+  ``accumulate`` (``optax.MultiSteps``) as in `per_leaf_step`.
 
   Returns a `jpack.DataParallel` like `per_leaf_step`; its ``layout`` is only reported.
   """
@@ -220,13 +295,33 @@ def jit_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any:
 
   axis = mesh.axis_names[0]
   replicated = NamedSharding(mesh, P())
+  n = mesh.shape[axis]
+  loss_fn = loss_in(loss_fn, param_dtype)
+  optimizer = _multi_steps(optimizer, accumulate)
+
+  def update(carry, batch):
+    params, opt_state = carry
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), (loss, optax.tree.norm(grads))
+
+  def micro_batches(batch):
+    # Micro-batch j: the j-th of each device's row blocks, so no row changes device.
+    def split(x):
+      x = x.reshape((n, accumulate, -1) + x.shape[1:])
+      return jnp.moveaxis(x, 1, 0).reshape((accumulate, -1) + x.shape[3:])
+    return jax.tree.map(split, batch)
 
   def global_step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new = jpack.TrainState(optax.apply_updates(state.params, updates), opt_state,
-                           state.step + 1)
-    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    carry = (state.params, state.opt_state)
+    if accumulate == 1:
+      (params, opt_state), (loss, norm) = update(carry, batch)
+    else:
+      (params, opt_state), (losses, norms) = jax.lax.scan(update, carry,
+                                                          micro_batches(batch))
+      loss, norm = losses.mean(), norms[-1]
+    new = jpack.TrainState(params, opt_state, state.step + 1)
+    return new, {"loss": loss, "grad_norm": norm}
 
   init = jax.jit(lambda p: jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)),
                  out_shardings=replicated)
@@ -238,15 +333,25 @@ def jit_step(loss_fn, optimizer, params: dict, mesh, **plan_options) -> Any:
 
 
 def build_step(mode: str, loss_fn, optimizer, params: dict, mesh, comm_dtype: Any = None,
-               **plan_options) -> Any:
-  """Mode ``mode``'s `jpack.DataParallel`: a plain step, or jpack.data_parallel's."""
+               *, param_dtype: Any = None, accumulate: int = 1, **plan_options) -> Any:
+  """Mode ``mode``'s `jpack.DataParallel`: a plain step, or jpack.data_parallel's.
+
+  ``param_dtype``: the packed and sharded modes keep the params in it, with float32
+  masters (``data_parallel(param_dtype=)``); the others keep float32 params and cast
+  them for the loss. ``accumulate``: micro-batches per step, ``data_parallel``'s or
+  ``optax.MultiSteps`` in the plain steps.
+  """
   import jpack
 
   plain = {"per_leaf": per_leaf_step, "jit": jit_step}
   if mode in plain:
-    return plain[mode](loss_fn, optimizer, params, mesh, **plan_options)
+    return plain[mode](loss_fn, optimizer, params, mesh, param_dtype=param_dtype,
+                       accumulate=accumulate, **plan_options)
+  if mode not in MASTER_MODES:  # data_parallel keeps no masters in this mode
+    loss_fn, param_dtype = loss_in(loss_fn, param_dtype), None
   return jpack.data_parallel(loss_fn, optimizer, params, mesh, mode=mode,
-                             comm_dtype=comm_dtype, **plan_options)
+                             comm_dtype=comm_dtype, param_dtype=param_dtype,
+                             accumulate=accumulate, **plan_options)
 
 
 # -- measuring -------------------------------------------------------------------------
@@ -262,22 +367,33 @@ def count_collectives(hlo_text: str) -> tuple[dict[str, int], int]:
   return count, arrays
 
 
-def grad_bytes_per_step(layout, mode: str, comm_dtype) -> int:
+def grad_bytes_per_step(layout, mode: str, comm_dtype, accumulate: int = 1) -> int:
   """Bytes entering the gradient reduction each step, on one device.
 
   jpack modes send whole buckets (padding included) in ``comm_dtype`` when set (bf16
-  halves f32); the plain steps send the parameters' own bytes.
+  halves f32), once per step; ``layout`` is that of the gradients as reduced (with
+  ``param_dtype``, the float32 masters'). The plain steps send the parameters' own
+  bytes, on every one of ``accumulate`` micro-batches (``optax.MultiSteps``).
   """
   import jax.numpy as jnp
 
   if mode in PLAIN_MODES:
-    return layout.leaf_nbytes
+    return layout.leaf_nbytes * accumulate
   total = 0
   for b in layout.buckets:
     floating = jnp.issubdtype(b.dtype, jnp.floating)  # complex buckets keep their dtype
     wire = jnp.dtype(comm_dtype) if (floating and comm_dtype is not None) else b.dtype
     total += b.size * wire.itemsize
   return total
+
+
+def state_bytes_per_device(state) -> int:
+  """Bytes of params + optimizer state (masters and moments) that one device holds,
+  from the arrays' shardings: replicated leaves whole, ZeRO-1 slices 1/N."""
+  import jax
+
+  return sum(x.addressable_shards[0].data.nbytes
+             for x in jax.tree.leaves((state.params, state.opt_state)))
 
 
 def opt_state_bytes_per_device(opt_state, mode: str, n: int) -> int:
@@ -331,16 +447,23 @@ def human_bytes(n: float) -> str:
 
 def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
         bucket_mib: float | None = None, modes: Sequence[str] = DEMO_MODES,
-        comm_dtype: str = "none", out: str | os.PathLike = "jpack-demo-out", seed: int = 0,
-        width: int = 128, depth: int = 12, lr: float = 1e-3, progress: bool = True,
+        comm_dtype: str = "none", param_dtype: str = "float32", accumulate: int = 1,
+        out: str | os.PathLike = "jpack-demo-out", seed: int = 0, width: int = 128,
+        depth: int = 12, lr: float = 1e-3, progress: bool = True,
         stream=None) -> list[ModeResult]:
-  """Train the digits MLP in each mode and print the comparison; returns the results."""
+  """Train the digits MLP in each mode and print the comparison; returns the results.
+
+  ``param_dtype`` "bfloat16": the packed and sharded modes keep bf16 params with float32
+  masters in the optimizer state; the other modes keep float32 params and cast them for
+  the loss. ``accumulate``: micro-batches per step (``optax.MultiSteps`` in per_leaf and
+  jit).
+  """
   stream = sys.stdout if stream is None else stream
 
   def say(*a):
     print(*a, file=stream, flush=True)
 
-  _check_options(modes, devices, batch_size, comm_dtype, steps)
+  _check_options(modes, devices, batch_size, comm_dtype, steps, param_dtype, accumulate)
   out_dir = pathlib.Path(out)
   if out_dir.exists() and not out_dir.is_dir():  # found now, not after training
     raise ValueError(f"out {str(out_dir)!r} exists and is not a directory")
@@ -356,6 +479,7 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   import optax
 
   wire = {"none": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[comm_dtype]
+  narrow = None if param_dtype == "float32" else jnp.dtype(param_dtype)
   mesh = jax.sharding.Mesh(np.array(devs), ("batch",),
                            axis_types=(jax.sharding.AxisType.Explicit,))
   batch_sharding = jax.sharding.NamedSharding(mesh, jax.P("batch"))
@@ -367,18 +491,18 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
       f"MLP {x_train.shape[1]}-{width}x{depth}-10 with {len(jax.tree.leaves(params0))} "
       f"leaves, {n_params:,} params; {devices} simulated CPU devices, global batch "
       f"{batch_size} ({batch_size // devices}/device), {steps} steps, "
-      f"comm dtype {comm_dtype}")
+      f"comm dtype {comm_dtype}, param dtype {param_dtype}, accumulate {accumulate}")
 
   # Every mode sees the same batches, so the loss curves are comparable.
   rng = np.random.default_rng(seed)
   batches = [(x_train[idx], y_train[idx]) for idx in
              (rng.choice(len(x_train), batch_size, replace=False) for _ in range(steps))]
-  predict = jax.jit(forward)
 
   results = []
   for i, mode in enumerate(modes):
     optimizer = optax.adamw(lr, weight_decay=1e-4)
-    dp = build_step(mode, loss_fn, optimizer, params0, mesh, wire, **plan_options)
+    dp = build_step(mode, loss_fn, optimizer, params0, mesh, wire, param_dtype=narrow,
+                    accumulate=accumulate, **plan_options)
     if i == 0:
       say("\nParameter layout (jpack.plan):")
       say(dp.layout.summary())
@@ -386,14 +510,15 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
     state, batch, losses, times = _train(dp, params0, batches, batch_sharding,
                                          _progress(steps, mode, progress, say))
     collectives, arrays = count_collectives(compiled_hlo(dp, state, batch))
-    logits = predict(dp.params(state), x_test)
-    accuracy = float((np.asarray(logits).argmax(-1) == y_test).mean())
+    acc = accuracy(dp.params(state), x_test, y_test, narrow)
     results.append(ModeResult(
         mode=mode, losses=losses, step_ms=times, compile_s=times[0] / 1e3,
         collectives=collectives, collective_arrays=arrays,
-        grad_bytes=grad_bytes_per_step(dp.layout, mode, wire),
+        grad_bytes=grad_bytes_per_step(_reduced_layout(dp.layout, mode, narrow, params0),
+                                       mode, wire, accumulate),
         opt_state_bytes=opt_state_bytes_per_device(state.opt_state, mode, devices),
-        test_accuracy=accuracy))
+        test_accuracy=acc, params_as=params_kept_as(mode, narrow),
+        accumulate=accumulate, state_bytes=state_bytes_per_device(state)))
 
   say("")
   say(format_table(results))
@@ -402,7 +527,8 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
              title=f"jpack demo: digits MLP, {devices} CPU devices, batch {batch_size}")
   (out_dir / "results.json").write_text(json.dumps(
       {"devices": devices, "steps": steps, "batch_size": batch_size,
-       "comm_dtype": comm_dtype, "bucket_bytes": plan_options.get("bucket_bytes"),
+       "comm_dtype": comm_dtype, "param_dtype": param_dtype, "accumulate": accumulate,
+       "bucket_bytes": plan_options.get("bucket_bytes"),
        "results": [{**dataclasses.asdict(r), "median_ms": r.median_ms,
                     "final_loss": r.final_loss} for r in results]}, indent=1))
   say(f"\nWrote {png} and {out_dir / 'results.json'} "
@@ -410,8 +536,28 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   return results
 
 
+def loss_params(params, param_dtype: Any = None):
+  """The params as the loss sees them: cast to ``param_dtype`` (a no-op where they are
+  kept in it already)."""
+  if param_dtype is None:
+    return params
+  import jpack
+
+  return jpack.cast_params(params, param_dtype)
+
+
+def _reduced_layout(layout, mode: str, param_dtype: Any, params: dict):
+  """The layout of the gradients as reduced: with params kept in ``param_dtype``, the
+  float32 masters' (the gradients are cast to them before the reduction)."""
+  if param_dtype is None or mode not in MASTER_MODES:
+    return layout
+  from jpack._precision import master_layout
+
+  return master_layout(layout, params)
+
+
 def _check_options(modes: Sequence[str], devices: int, batch_size: int, comm_dtype: str,
-                   steps: int) -> None:
+                   steps: int, param_dtype: str = "float32", accumulate: int = 1) -> None:
   for m in modes:
     if m not in ALL_MODES:
       raise ValueError(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
@@ -421,15 +567,31 @@ def _check_options(modes: Sequence[str], devices: int, batch_size: int, comm_dty
     raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
   if steps < 2:  # the first step compiles: step times need a second one
     raise ValueError(f"steps must be >= 2 (the first step compiles), got {steps}")
+  if param_dtype not in PARAM_DTYPES:
+    raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {param_dtype!r}")
+  if accumulate < 1 or (batch_size // devices) % accumulate:
+    raise ValueError(f"accumulate {accumulate} must be >= 1 and divide the per-device "
+                     f"batch {batch_size // devices} (micro-batches of equal size)")
 
 
-def _train(dp, params0: dict, batches: Sequence[Any], sharding, bar) -> tuple:
+def accuracy(params: dict, x, y, param_dtype: Any = None) -> float:
+  """The share of ``x`` that the MLP classifies as ``y``, with the params as the loss
+  sees them (cast to ``param_dtype``)."""
+  import jax
+  import numpy as np
+
+  logits = jax.jit(forward)(loss_params(params, param_dtype), x)
+  return float((np.asarray(logits).argmax(-1) == y).mean())
+
+
+def _train(dp, params0: dict, batches: Sequence[Any], sharding, bar=None) -> tuple:
   """One step of ``dp`` per host batch, each timed alone (the batch placed first).
 
   Returns the final state, the last placed batch, and every step's loss and time (ms).
   """
   import jax
 
+  bar = bar or _Progress(len(batches), "", False, None)
   state = dp.init(params0)
   losses, times = [], []
   batch = None
@@ -449,19 +611,21 @@ def _train(dp, params0: dict, batches: Sequence[Any], sharding, bar) -> tuple:
 def format_table(results: Sequence[ModeResult]) -> str:
   """The comparison table (plain text, aligned)."""
   base = next((r for r in results if r.mode == BASELINE), results[0] if results else None)
-  header = ("mode", "step ms (median)", f"speed-up vs {base.mode if base else BASELINE}",
-            "compile s",
+  header = ("mode", "params", "accumulate", "step ms (median)",
+            f"speed-up vs {base.mode if base else BASELINE}", "compile s",
             "collectives AR/RS/AG/A2A [arrays]", "grad bytes/step", "opt state/device",
-            "final loss", "test acc")
+            "params+opt/device", "final loss", "test acc")
   rows = []
   for r in results:
     c = r.collectives
     speed = base.median_ms / r.median_ms if base and r.median_ms > 0 else float("nan")
-    rows.append((r.mode, f"{r.median_ms:.2f}", f"{speed:.2f}x", f"{r.compile_s:.2f}",
+    rows.append((r.mode, r.params_as, _accumulate_cell(r), f"{r.median_ms:.2f}",
+                 f"{speed:.2f}x", f"{r.compile_s:.2f}",
                  f"{c['all-reduce']}/{c['reduce-scatter']}/{c['all-gather']}/"
                  f"{c['all-to-all']} [{r.collective_arrays}]",
                  human_bytes(r.grad_bytes), human_bytes(r.opt_state_bytes),
-                 f"{r.final_loss:.4f}", f"{r.test_accuracy:.3f}"))
+                 human_bytes(r.state_bytes), f"{r.final_loss:.4f}",
+                 f"{r.test_accuracy:.3f}"))
   widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
 
   def line(cells):
@@ -475,8 +639,21 @@ def format_table(results: Sequence[ModeResult]) -> str:
            "(above 1x: faster).\n"
            "collectives: ops in the compiled step (all-reduce / reduce-scatter / all-gather / "
            "all-to-all), loss mean included;\n  [arrays]: how many arrays they move (XLA may merge "
-           "several collectives into one op on a tuple).")
+           "several collectives into one op on a tuple); those in a micro-batch loop count "
+           "once.\n"
+           "params: kept in bfloat16 with float32 masters in the optimizer state "
+           "(jpack packed and sharded), or float32, cast for the loss (the other modes).\n"
+           "accumulate: micro-batches per step, one update of the whole batch; "
+           "MultiSteps (optax) reduces every micro-batch's gradients, jpack once per step.\n"
+           "params+opt/device: bytes of params + optimizer state (masters and moments) on "
+           "one device.")
   return "\n".join([line(header), sep, *(line(r) for r in rows), "", notes])
+
+
+def _accumulate_cell(r: ModeResult) -> str:
+  if r.accumulate == 1:
+    return "1"
+  return f"{r.accumulate} MultiSteps" if r.mode in PLAIN_MODES else str(r.accumulate)
 
 
 # -- progress and plot -----------------------------------------------------------------

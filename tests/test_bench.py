@@ -39,14 +39,27 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
           if line.startswith(first_cell)]
 
 
+@pytest.fixture(scope="module")
+def step_run(tmp_path_factory) -> tuple[str, dict]:
+  """One run of the step benchmark, every variant, on a model whose buckets need no
+  padding in bf16 or f32 (its byte counts compare exactly)."""
+  return bench("step", tmp_path_factory.mktemp("step") / "step.json", "--models",
+               "mlp_4x256", "--steps", "2", "--blocks", "1")
+
+
+def step_rows(doc: dict) -> dict[str, dict]:
+  return {r["values"]["key"]: r["values"] for r in doc["tables"][0]["rows"]}
+
+
 @pytest.mark.timeout(600)
-def test_step_benchmark_every_mode_matches_per_leaf(tmp_path):
-  text, doc = bench("step", tmp_path / "step.json", "--models", "mlp_4x32", "--steps", "2",
-                    "--blocks", "1")
+def test_step_benchmark_every_mode_matches_per_leaf(step_run):
+  text, doc = step_run
   assert "machine:" in text and "speed-up" in text and "gap closed" in text
   labels = ["ravel_pytree", "optax.flatten", "jit + NamedSharding", "jit, ZeRO-1 by sharding",
             "jpack allreduce", "jpack packed", "jpack sharded", "hand-written ZeRO-1",
-            "optax.chain(jpack.optax.allreduce, adam)"]
+            "optax.chain(jpack.optax.allreduce, adam)", "per-leaf + MultiSteps k=4",
+            "jpack packed, accumulate=4", "jpack sharded, accumulate=4",
+            "jpack sharded, acc=4 ZeRO-2"]
   for label in labels:
     rows = [r for r in table_rows(text, label) if r[0] == label]
     assert rows, f"no row {label!r} in\n{text}"
@@ -59,10 +72,10 @@ def test_step_benchmark_every_mode_matches_per_leaf(tmp_path):
   sgd = [r for r in table_rows(text, "bound: ZeRO-1 with sgd")][-1]
   assert any("RS" in cell for cell in sgd) and sgd[-1] == "-"  # not adam: no comparison
   # Per-leaf removes none of its own time above the floor; the floor all of it.
-  assert [r for r in table_rows(text, "per-leaf pmean")][-1][4] == "0%"
-  assert [r for r in table_rows(text, "bound: grads only")][-1][4] == "100%"
+  assert [r for r in table_rows(text, "per-leaf pmean")][-1][5] == "0%"
+  assert [r for r in table_rows(text, "bound: grads only")][-1][5] == "100%"
 
-  rows = {r["values"]["key"]: r["values"] for r in doc["tables"][0]["rows"]}
+  rows = step_rows(doc)
   t = {key: v["step_s"] for key, v in rows.items()}
   want = (t["per_leaf"] - t["packed"]) / (t["per_leaf"] - t["grad_only"])
   assert rows["packed"]["gap_closed"] == pytest.approx(want)
@@ -83,6 +96,94 @@ def _check_jit_rows(rows: dict) -> None:
   assert zero1["collectives"]["all-gather"] >= 1  # the updated slices, to replicated params
   # mlp_4x32: every moment leaf splits 8 ways; adam's count and the norm stay whole.
   assert zero1["opt_state_bytes"] < jit["opt_state_bytes"] / 7
+
+
+@pytest.mark.timeout(600)
+def test_step_benchmark_bf16_params_rows(step_run):
+  """bf16 params with f32 masters: half the all-gather bytes of f32 ZeRO-1, and about
+  2Ψ + 12Ψ/N bytes of params + optimizer state per device."""
+  text, doc = step_run
+  rows = step_rows(doc)
+  assert "jpack sharded, bf16 params" in text and "params+opt/dev" in text
+  for v in rows.values():  # every row: params + optimizer state per device
+    assert v["state_bytes_per_device"] > 0 and v["psi"] == v["params"]
+  psi, n = rows["per_leaf"]["psi"], 8
+  f32, bf16 = rows["sharded"], rows["sharded_bf16"]
+  assert bf16["param_dtype"] == rows["packed_bf16_params"]["param_dtype"] == "bfloat16"
+  assert f32["param_dtype"] == "float32"
+  # The new params, gathered in bf16 (integer bits on XLA:CPU, which widens bf16 ones).
+  assert bf16["collective_bytes"]["all-gather"] * 2 == f32["collective_bytes"]["all-gather"]
+  # The gradients are reduced in f32, the masters' dtype.
+  assert bf16["collective_bytes"]["reduce-scatter"] == f32["collective_bytes"]["reduce-scatter"]
+  assert bf16["state_bytes_per_device"] <= 1.01 * (2 * psi + 12 * psi / n) + 64
+  assert rows["per_leaf"]["state_bytes_per_device"] >= 12 * psi  # f32 params, mu, nu
+  # Packed keeps replicated masters next to the moments: 2Ψ + 4Ψ + 8Ψ.
+  packed = rows["packed_bf16_params"]
+  assert 14 * psi <= packed["state_bytes_per_device"] <= 1.01 * 14 * psi + 64
+  for key in ("packed_bf16_params", "sharded_bf16"):
+    # Not the same params (bf16), but the same training, to bf16's rounding.
+    assert 0 < rows[key]["max_param_diff_vs_per_leaf"] < 3e-2, key
+  assert [r for r in table_rows(text, "jpack sharded, bf16 params")][-1][-1].endswith("(bf16)")
+
+
+@pytest.mark.timeout(600)
+def test_step_benchmark_accumulation_rows(step_run):
+  """accumulate=4 ends where per-leaf + optax.MultiSteps(adam, 4) ends, each compared
+  with it; ZeRO-2's reduce-scatter runs in the micro-step loop."""
+  text, doc = step_run
+  rows = step_rows(doc)
+  multi = rows["per_leaf_multisteps4"]
+  assert multi["calls_per_step"] == 4 and multi["accumulate"] == 4
+  assert multi["speedup_vs_multisteps"] == 1.0
+  assert multi["max_param_diff_vs_per_leaf"] < 1e-5  # one update of the same whole batch
+  assert any(c.endswith("x4 calls") for c in table_rows(text, "per-leaf + MultiSteps")[-1])
+  t = multi["step_s"]
+  for key in ("packed_acc4", "sharded_acc4", "sharded_acc4_zero2"):
+    v = rows[key]
+    assert v["accumulate"] == 4 and v["calls_per_step"] == 1, key
+    assert v["max_param_diff_vs_multisteps"] < 1e-5, (key, v["max_param_diff_vs_multisteps"])
+    assert v["speedup_vs_multisteps"] == pytest.approx(t / v["step_s"])
+  assert rows["packed"]["speedup_vs_multisteps"] is None  # not accumulating
+  assert rows["sharded_acc4_zero2"]["collectives_in_loop"]["reduce-scatter"] >= 1
+  for key in ("packed_acc4", "sharded_acc4"):  # reduced once, after the loop
+    assert sum(rows[key]["collectives_in_loop"].values()) == 0, key
+  zero2 = table_rows(text, "jpack sharded, acc=4 ZeRO-2")[-1]
+  assert any(c.endswith("(RS1 in loop)") for c in zero2)
+  assert "vs MultiSteps" in text
+
+
+def test_loop_collectives_counts_what_while_bodies_reach():
+  from benchmarks import step
+  hlo = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner (p: f32[8]) -> f32[1] {
+  ROOT %rs = f32[1]{0} reduce-scatter(%p), dimensions={0}, to_apply=%add
+}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %c = f32[1]{0} call(%x), to_apply=%inner
+  %ar = f32[8]{0} all-reduce(%y), to_apply=%add
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body
+  %ag = f32[64]{0} all-gather(%x), dimensions={0}
+}
+"""
+  loop = step.loop_collectives(hlo)
+  assert loop.count == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 0,
+                        "all-to-all": 0}
+  assert loop.result_bytes["reduce-scatter"] == 4
+  no_loop = hlo.replace("while(%t), condition=%cond, body=", "call(%t), to_apply=")
+  assert sum(step.loop_collectives(no_loop).count.values()) == 0
 
 
 def test_zero1_sharding_splits_the_largest_dimension_that_divides():
@@ -144,6 +245,7 @@ def test_the_runner_lists_and_refuses():
     (["step", "--blocks", "0"], "must be >= 1"),
     (["step", "--solo-bytes", "-5"], "--solo-bytes must be >= 0"),
     (["step", "--variants", "per_leaf,nope"], "unknown variants ['nope']"),
+    (["step", "--batch", "6", "--variants", "packed_acc4"], "does not split into 4 micro"),
 ])
 def test_bad_benchmark_flags_fail_before_running(args, message):
   out = run(f"benchmarks.{args[0]}", *args[1:], timeout=120)

@@ -72,6 +72,80 @@ def test_demo_quick_runs_all_modes(tmp_path):
   assert jit["grad_bytes"] == per_leaf["grad_bytes"]
 
 
+@pytest.mark.timeout(320)
+def test_demo_bf16_params_and_accumulation_flags(tmp_path):
+  out = tmp_path / "demo-out"
+  modes = ("per_leaf", "jit", "packed", "sharded")
+  # Width 128: leaves of whole 256-byte blocks in bf16, so the buckets barely pad.
+  proc = _run("demo", "--devices", "4", "--steps", "12", "--width", "128", "--depth", "4",
+              "--modes", ",".join(modes), "--param-dtype", "bfloat16", "--accumulate", "2",
+              "--out", str(out), "--no-progress")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  text = proc.stdout
+  assert "param dtype bfloat16, accumulate 2" in text, text
+  table = text[text.index("step ms (median)"):]
+  assert "params+opt/device" in table and "test acc" in table
+  assert "bfloat16 + f32 master" in table and "float32, bfloat16 in loss" in table
+  assert "2 MultiSteps" in table, table
+
+  doc = json.loads((out / "results.json").read_text())
+  assert doc["param_dtype"] == "bfloat16" and doc["accumulate"] == 2
+  r = {x["mode"]: x for x in doc["results"]}
+  assert set(r) == set(modes) and all(x["accumulate"] == 2 for x in r.values())
+  assert r["sharded"]["params_as"] == "bfloat16 + f32 master"
+  assert r["per_leaf"]["params_as"] == "float32, bfloat16 in loss"
+  # The same forward and backward (bf16 params or f32 ones cast for the loss) and the
+  # same mean gradient (MultiSteps or jpack's accumulation): nearly the same losses.
+  for mode in ("jit", "packed", "sharded"):
+    diff = max(abs(a - b) for a, b in zip(r[mode]["losses"], r["per_leaf"]["losses"]))
+    assert diff < 0.02, (mode, diff)
+  import jax
+
+  from jpack import _demo
+  psi = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      lambda: _demo.init_mlp(jax.random.key(0), 64, 128, 4, 10))))  # the parameter count
+  # MultiSteps reduces on each of 2 micro-batches, jpack once, in the f32 masters' dtype.
+  assert r["per_leaf"]["grad_bytes"] == r["jit"]["grad_bytes"] == 2 * 4 * psi
+  assert r["packed"]["grad_bytes"] == pytest.approx(4 * psi, rel=0.02)
+  # Params + state per device: bf16 params next to f32 masters and moments, which
+  # ZeRO-1 splits 4 ways; per_leaf keeps f32 params, its moments and MultiSteps' sum.
+  assert r["packed"]["state_bytes"] == pytest.approx(14 * psi, rel=0.02)
+  assert r["sharded"]["state_bytes"] == pytest.approx(2 * psi + 12 * psi / 4, rel=0.02)
+  assert r["per_leaf"]["state_bytes"] == pytest.approx(16 * psi, rel=0.02)
+  for x in r.values():
+    assert x["test_accuracy"] > 0.5, (x["mode"], x["test_accuracy"])  # chance: 0.1
+
+
+@pytest.mark.timeout(120)
+def test_bf16_params_reach_the_test_accuracy_of_float32():
+  """On the demo's digits model, ZeRO-1 training with bf16 params (f32 masters) ends
+  within 1 point of test accuracy of float32 training from the same start and batches."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  from jpack import _demo
+  x_train, y_train, x_test, y_test = _demo.load_digits(0)
+  mesh = jax.make_mesh((8,), ("batch",), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  sharding = jax.sharding.NamedSharding(mesh, jax.P("batch"))
+  params = _demo.init_mlp(jax.random.key(0), x_train.shape[1], 128, 12, 10)
+  rng = np.random.default_rng(0)
+  batches = [(x_train[i], y_train[i]) for i in
+             (rng.choice(len(x_train), 256, replace=False) for _ in range(100))]
+  accuracy, kept = {}, {}
+  for name, dtype in (("float32", None), ("bfloat16", jnp.bfloat16)):
+    dp = _demo.build_step("sharded", _demo.loss_fn, optax.adamw(1e-3, weight_decay=1e-4),
+                          params, mesh, param_dtype=dtype)
+    state, *_ = _demo._train(dp, params, batches, sharding)
+    kept[name] = {x.dtype for x in jax.tree.leaves(dp.params(state))}
+    accuracy[name] = _demo.accuracy(dp.params(state), x_test, y_test, dtype)
+  assert kept == {"float32": {jnp.dtype(jnp.float32)}, "bfloat16": {jnp.dtype(jnp.bfloat16)}}
+  assert accuracy["float32"] >= 0.95, accuracy
+  assert abs(accuracy["bfloat16"] - accuracy["float32"]) <= 0.01, accuracy
+
+
 def test_jit_step_ends_where_the_per_leaf_step_ends():
   import jax
   import numpy as np
@@ -106,6 +180,9 @@ def test_jit_step_ends_where_the_per_leaf_step_ends():
     (["demo", "--steps", "ten"], "expected a positive integer"),
     (["demo", "--steps", "1"], "give at least 2"),
     (["demo", "--comm-dtype", "int8"], "invalid choice"),
+    (["demo", "--param-dtype", "float16"], "invalid choice"),
+    (["demo", "--accumulate", "0"], "must be >= 1"),
+    (["demo", "--accumulate", "3"], "must divide the per-device batch 32"),
     (["demo", "--bucket-mib", "-1"], "positive number"),
     (["demo", "--devices", "3", "--batch-size", "256"], "divisible"),
     (["demo", "--frobnicate"], "unrecognized arguments"),
@@ -130,6 +207,10 @@ def test_an_out_path_that_is_a_file_is_refused_before_training(tmp_path, capsys)
     _demo.run(out=taken)
   with pytest.raises(ValueError, match="steps must be >= 2"):
     _demo.run(steps=1, out=tmp_path / "new")
+  with pytest.raises(ValueError, match="divide the per-device batch"):
+    _demo.run(accumulate=3, out=tmp_path / "new")
+  with pytest.raises(ValueError, match="param_dtype must be one of"):
+    _demo.run(param_dtype="float16", out=tmp_path / "new")
 
 
 def test_bad_flags_in_a_subprocess():
@@ -145,7 +226,8 @@ def test_help_and_no_command(capsys):
   assert info.value.code == 0
   help_text = capsys.readouterr().out
   for flag in ("--devices", "--steps", "--batch-size", "--bucket-mib", "--modes",
-               "--comm-dtype", "--out", "--seed", "--quick"):
+               "--comm-dtype", "--param-dtype", "--accumulate", "--out", "--seed",
+               "--quick"):
     assert flag in help_text
   assert cli.main([]) == 2
   assert "demo" in capsys.readouterr().out

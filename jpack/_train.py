@@ -13,13 +13,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpack import _cpu as cpu
-from jpack._collectives import (Shards, all_gather, assert_same_layout, axis_size, broadcast,
-                                is_varying, reduce_scatter, shard, vary)
+from jpack._collectives import all_gather, assert_same_layout, broadcast, shard
+from jpack._grads import accumulated_grads, average_state, check_accumulate, with_state
 from jpack._internal import dtype_name
 from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
-from jpack._layout import PARTITION_HINT, Layout, plan, retyped
+from jpack._layout import PARTITION_HINT, Layout, plan
 from jpack._pack import Packed, flatten_like, pack, unpack
-from jpack._precision import ParamDtype, as_layout, cast_params, master_layout
+from jpack._placement import (check_micro_batches, check_splits, place, place_batch,
+                              replicate)
+from jpack._precision import ParamDtype, cast_params, master_layout
 from jpack._probe import checker
 from jpack._sharded import ShardedState, sharded
 from jpack._transforms import after, allreduce, firsts, flat
@@ -148,7 +150,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-  _check_accumulate(accumulate, accumulator, mode)
+  check_accumulate(accumulate, accumulator, mode)
   if param_dtype is not None and mode == "allreduce":
     raise ValueError("param_dtype= needs mode='packed' or mode='sharded', where the "
                      "optimizer keeps master copies of the packed params; mode='allreduce' "
@@ -188,7 +190,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       params = pack(params, layout)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), model_state)
 
-  grads_fn = _accumulated_grads(_with_state(loss_fn, has_aux, has_state), packed_params,
+  grads_fn = accumulated_grads(with_state(loss_fn, has_aux, has_state), packed_params,
                                 axis_name, masters, accumulate, accumulator, comm_dtype)
   local_step = _per_device_step(grads_fn, tx, mode, axis_name, has_aux)
 
@@ -221,127 +223,6 @@ def _check_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
   return mesh
 
 
-def _with_state(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
-                ) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
-  """``loss_fn`` as ``(params, model_state, batch) -> (loss, (new_model_state, aux))``."""
-  def loss_of(params, model_state, batch):
-    if has_state:
-      loss, rest = loss_fn(params, model_state, batch)
-      model_state, aux = rest if has_aux else (rest, None)
-    else:
-      loss, aux = loss_fn(params, batch) if has_aux else (loss_fn(params, batch), None)
-    return loss, (model_state, aux)
-  return loss_of
-
-
-def _accumulated_grads(loss_fn: Callable[..., Any], packed_params: bool, axis_name: str,
-                       masters: Layout, accumulate: int, accumulator: str, comm_dtype: Any
-                       ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any, Any]]:
-  """``(params, model_state, batch) -> (loss, aux, grads, model_state)`` on one device:
-  the mean over ``accumulate`` micro-batches, with the gradients in the masters' dtypes
-  (``masters``, the layout the optimizer takes) and, with the "sharded" accumulator,
-  already reduce-scattered (`jpack.Shards`). ``loss_fn`` is `_with_state`'s."""
-
-  def one(params, model_state, batch):
-    def loss_of(p):
-      return loss_fn(unpack(p) if packed_params else p, model_state, batch)
-
-    # Differentiate w.r.t. this device's copy: grads stay local (no per-leaf psum
-    # inserted by shard_map's autodiff) until the transformation reduces them in buckets.
-    (loss, (model_state, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        vary(params, axis_name))
-    return loss, _aux_to_mean(aux), grads, model_state
-
-  if accumulate == 1:
-    def grads_of(params, model_state, batch):
-      loss, aux, grads, model_state = one(params, model_state, batch)
-      return (loss, aux, as_layout(grads, masters) if packed_params else grads,
-              model_state)
-    return grads_of
-
-  # Accumulated in at least float32: a sum of bfloat16 gradients would lose their bits.
-  wide = retyped(masters, [_accumulation_dtype(b.dtype) for b in masters.buckets])
-
-  def widen(grads):
-    if not packed_params:
-      return jax.tree.map(lambda g: g.astype(_accumulation_dtype(g.dtype)), grads)
-    grads = as_layout(grads, wide)
-    if accumulator == "sharded":  # ZeRO-2: only this device's slice is kept
-      grads = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
-    return grads
-
-  def zeros(params):
-    if not packed_params:
-      return jax.tree.map(lambda p: jnp.zeros(p.shape, _accumulation_dtype(p.dtype)), params)
-    if accumulator == "sharded":
-      n = axis_size(axis_name)
-      return Shards(tuple(jnp.zeros(b.size // n, b.dtype) for b in wide.buckets), wide)
-    return Packed(tuple(jnp.zeros(b.size, b.dtype) for b in wide.buckets), wide)
-
-  def grads_of(params, model_state, batch):
-    micro = jax.tree.map(lambda x: x.reshape((accumulate, -1) + x.shape[1:]), batch)
-
-    def add(carry, micro_batch):
-      total, model_state = carry
-      loss, aux, grads, model_state = one(params, model_state, micro_batch)
-      return (jax.tree.map(jnp.add, total, widen(grads)), model_state), (loss, aux)
-
-    if model_state is not None:  # the carry's type: as the loss leaves it
-      model_state = _match_varying(model_state, jax.eval_shape(
-          lambda: one(params, model_state, jax.tree.map(lambda x: x[0], micro))[3]),
-          axis_name)
-    (total, model_state), (losses, aux) = lax.scan(
-        add, (vary(zeros(params), axis_name), model_state), micro)
-    mean = jax.tree.map(lambda g: g / accumulate, total)
-    if packed_params:
-      mean = as_layout(mean, masters)
-    else:
-      mean = jax.tree.map(lambda g, p: g.astype(p.dtype), mean, params)
-    return (jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), mean,
-            model_state)
-
-  return grads_of
-
-
-def _match_varying(tree: Any, like: Any, axis_name: str) -> Any:
-  """``tree`` typed as varying over the axis where ``like`` is (a scan's carry must keep
-  its type, and a model state the loss computes per device comes out varying)."""
-  return jax.tree.map(lambda x, l: vary(x, axis_name) if is_varying(l, axis_name) else x,
-                      tree, like)
-
-
-def _average_state(model_state: Any, axis_name: str) -> Any:
-  """The new model state, equal on every device: floating leaves that differ between
-  devices (per-device batch statistics) are averaged; other varying leaves are taken
-  from device 0 (they should not differ)."""
-  def one(x):
-    if not is_varying(x, axis_name):
-      return x
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      return lax.pmean(x, axis_name)
-    return broadcast(x, axis_name, root=0)
-  return jax.tree.map(one, model_state)
-
-
-def _accumulation_dtype(dtype: Any) -> np.dtype:
-  d = np.dtype(dtype)
-  if jnp.issubdtype(d, jnp.floating) and d.itemsize < 4:
-    return np.dtype(np.float32)
-  return d
-
-
-def _check_accumulate(accumulate: Any, accumulator: str, mode: str) -> None:
-  if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-    raise ValueError(f"accumulate must be a positive int (micro-batches per step), got "
-                     f"{accumulate!r}.")
-  if accumulator not in ("local", "sharded"):
-    raise ValueError(f"accumulator must be 'local' or 'sharded', got {accumulator!r}.")
-  if accumulator == "sharded" and mode != "sharded":
-    raise ValueError("accumulator='sharded' reduce-scatters every micro-step's gradients "
-                     "into this device's slice, which only mode='sharded' (ZeRO-1) updates; "
-                     f"got mode={mode!r}.")
-
-
 def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
                      tx: optax.GradientTransformationExtraArgs, mode: str, axis_name: str,
                      has_aux: bool) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
@@ -349,7 +230,7 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
 
   def local_step(state, batch):
     loss, aux, grads, model_state = grads_of(state.params, state.model_state, batch)
-    model_state = _average_state(model_state, axis_name)
+    model_state = average_state(model_state, axis_name)
     loss, aux = lax.pmean((loss, aux), axis_name)
     # Metrics may read the params: computed before any update (the transformations
     # order their updates after the gradients and the loss), no donated param is copied.
@@ -389,7 +270,7 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
     _check_model_state(model_state, has_state)
     assert_same_layout(layout)
     flatten_like(params, layout)  # before device_put would make float64 leaves float32
-    return init_sm(*jax.tree.map(lambda x: _replicate(x, replicated), (params, model_state)))
+    return init_sm(*jax.tree.map(lambda x: replicate(x, replicated), (params, model_state)))
 
   batch_sharding = NamedSharding(mesh, P(axis_name))
 
@@ -409,11 +290,11 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
             (isinstance(counter, jax.Array) and counter.sharding == replicated)):
       # A host copy of the state, or one restored onto a single device: place it all
       # (checked on the counter alone, so a placed state costs nothing per leaf).
-      state = jax.tree.map(_place, state, shardings_of(state))
+      state = jax.tree.map(place, state, shardings_of(state))
     elif mode == "sharded":  # a restored or host copy of the slices: split them again
-      state = state._replace(opt_state=jax.tree.map(_place, state.opt_state,
+      state = state._replace(opt_state=jax.tree.map(place, state.opt_state,
                                                     specs_shardings.opt_state))
-    batch = _place_batch(batch, batch_sharding, axis_name, accumulate)
+    batch = place_batch(batch, batch_sharding, axis_name, accumulate)
     try:
       out = step_sm(state, batch)
     except ValueError:
@@ -426,7 +307,7 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
           state, shardings_of(state)))
       if not any(misplaced):
         raise
-      out = step_sm(jax.tree.map(_place, state, shardings_of(state)), batch)
+      out = step_sm(jax.tree.map(place, state, shardings_of(state)), batch)
     bounded(out[1]["loss"])
     return out
 
@@ -483,107 +364,6 @@ def _check_trainable(layout: Layout) -> None:
           + PARTITION_HINT)
 
 
-def _place_batch(batch: Any, sharding: NamedSharding, axis_name: str,
-                 accumulate: int = 1) -> Any:
-  """Split each batch leaf's leading dimension over the axis, unless it already is.
-
-  Host values (numpy arrays; a nested Python list is a tree of scalars, not an array)
-  and arrays on other devices are this process's rows of the global batch; in a single
-  process that is the whole batch.
-  """
-  _check_micro_batches(batch, len(sharding.addressable_devices), accumulate)
-
-  def place(path, x):
-    if isinstance(x, jax.core.Tracer):  # the step is being traced by an outer jit
-      return _constrain(x, sharding)
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-      return x
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-      # Same placement, but shard_map also checks the sharding's type (on one device,
-      # a plain array is "equivalent" yet not split over the axis): relabel, no copy.
-      return jax.device_put(x, sharding)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      raise ValueError(f"Batch leaf at {jax.tree_util.keystr(path) or '<root>'} is a global "
-                       f"array sharded as {x.sharding}; data_parallel expects its leading "
-                       f"dimension split over {axis_name!r} ({sharding.spec}).")
-    _check_splits(path, np.shape(x), len(sharding.addressable_devices), axis_name)
-    if jax.process_count() == 1:
-      return jax.device_put(x, sharding)
-    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-
-  return jax.tree_util.tree_map_with_path(place, batch)
-
-
-def _check_micro_batches(batch: Any, devices: int, accumulate: int) -> None:
-  """With ``accumulate`` > 1, every batch leaf's rows split into that many micro-batches
-  on every device, and all leaves have the same rows (micro-batch j of one leaf must
-  hold the examples of micro-batch j of the others)."""
-  if accumulate == 1:
-    return
-  rows = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    shape = np.shape(x)
-    where = jax.tree_util.keystr(path) or "<root>"
-    if not shape or shape[0] % (devices * accumulate):
-      raise ValueError(
-          f"Batch leaf at {where} has shape {shape}; with accumulate={accumulate} its "
-          f"leading (batch) dimension must split into {accumulate} micro-batches on each "
-          f"of {devices} devices, i.e. be a multiple of {devices * accumulate}.")
-    rows[where] = shape[0]
-  if len(set(rows.values())) > 1:
-    shown = ", ".join(f"{k}: {v}" for k, v in rows.items())
-    raise ValueError(
-        f"With accumulate={accumulate}, every batch leaf must have the same number of "
-        f"rows (the micro-batch axis is cut from the rows), but they differ: {shown}.")
-
-
-def _check_splits(path: Any, shape: tuple[int, ...], devices: int, axis_name: str) -> None:
-  if not shape or shape[0] % devices:
-    raise ValueError(
-        f"Batch leaf at {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; its "
-        f"leading (batch) dimension must split evenly over this process's {devices} "
-        f"devices of axis {axis_name!r}.")
-
-
-def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-  """A traced value moved to ``sharding``: `jax.reshard` on Explicit mesh axes (the
-  default), a sharding constraint on Auto ones (reshard refuses those)."""
-  types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
-  named = [a for entry in sharding.spec if entry is not None
-           for a in (entry if isinstance(entry, tuple) else (entry,))]
-  if all(types[a] == jax.sharding.AxisType.Explicit for a in named):
-    return jax.reshard(x, sharding)
-  return lax.with_sharding_constraint(x, sharding)
-
-
-def _place(x: Any, sharding: NamedSharding) -> Any:
-  """A state leaf with the sharding the step expects. Already placed (the usual case,
-  every step) it is returned as is; a host value or an array placed otherwise holds the
-  whole (global) leaf, as `jax.device_get` of a state gives, and is placed (ZeRO-1
-  slices split over the axis, the rest replicated)."""
-  if isinstance(x, jax.core.Tracer):
-    return _constrain(x, sharding)
-  if isinstance(x, jax.Array) and (x.sharding == sharding or not x.is_fully_addressable):
-    return x  # a global array placed otherwise: shard_map names the mismatch
-  if jax.process_count() == 1:
-    return jax.device_put(x, sharding)
-  # Each process supplies its own value (processes may differ where the step does not
-  # rely on it: `_replicate` for init, whose broadcast from root makes them equal).
-  value = np.asarray(x)
-  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
-def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
-  """Place this process's value on each of its devices, as a replicated global array.
-
-  Unlike ``jax.device_put``, processes may pass different values (each initialised its
-  own params): the broadcast from ``root`` in ``init`` then makes them equal.
-  """
-  if isinstance(x, jax.core.Tracer):  # init traced (jax.eval_shape, jit): shard_map places it
-    return x
-  return _place(x, sharding)
-
-
 def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainState:
   """Replicated everywhere, except ZeRO-1 optimizer slices, which are split over the axis."""
   def opt_spec(x):
@@ -626,24 +406,6 @@ def _check_state(state: TrainState, mode: str) -> None:
         "dp.step(state, batch).")
 
 
-def _aux_to_mean(aux: Any) -> Any:
-  """``aux`` ready for ``lax.pmean``: Python scalars become arrays, and integers and bools
-  float32 (a mean in uint8 would wrap: eight 200s sum to 64), as documented."""
-  def one(path, x):
-    try:
-      x = jnp.asarray(x)
-    except TypeError as e:  # a string, None in a list, an object: JAX's error has no path
-      raise TypeError(f"aux at {jax.tree_util.keystr(path) or '<root>'} is "
-                      f"{type(x).__name__} {x!r:.60}, not a number or numeric array: "
-                      "metrics are averaged over the devices. Return it elsewhere.") from e
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      raise TypeError(f"aux at {jax.tree_util.keystr(path) or '<root>'} is a PRNG key "
-                      "array: metrics are averaged over the devices, keys cannot be. "
-                      "Return it elsewhere.")
-    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
-  return jax.tree_util.tree_map_with_path(one, aux)
-
-
 def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
                 mode, accumulate, has_state) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.pmap`: the state carries a
@@ -666,7 +428,7 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
     return init_p(*jax.tree.map(stack, (params, model_state)))
 
   def split(path, x):
-    _check_splits(path, np.shape(x), n, axis_name)
+    check_splits(path, np.shape(x), n, axis_name)
     if isinstance(x, jax.Array):  # PRNG key arrays have no numpy form
       return x.reshape((n, -1) + x.shape[1:])
     return np.reshape(np.asarray(x), (n, -1) + np.shape(x)[1:])
@@ -682,7 +444,7 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
 
   def step(state, batch):
     _check_state(state, mode)
-    _check_micro_batches(batch, n, accumulate)
+    check_micro_batches(batch, n, accumulate)
     if on_fewer_devices(state.step):  # a whole state restored onto one device
       state = as_host_rows(state)
     batch = jax.tree_util.tree_map_with_path(split, batch)

@@ -9,6 +9,7 @@ machine and the command line, to ``benchmarks/results/<name>.json`` (``--json PA
 - ``pack``: pack / unpack / plan against per-leaf and single-array baselines (1 device).
 - ``collectives``: packed pmean vs per-leaf pmean vs the single-array floor (8 CPU devices).
 - ``step``: a whole data-parallel training step, jpack against plain shard_map steps.
+- ``checkpoint``: step time with an Orbax checkpoint every 10 steps against none.
 
 ``python -m benchmarks all`` runs each in its own process (each sets up its own devices);
 a name in `BENCHMARKS` whose module is absent is skipped.
@@ -19,4 +20,5 @@ BENCHMARKS = (
     "collectives",
     "step",
     "optimizer",
+    "checkpoint",
 )

@@ -42,7 +42,8 @@ Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
 
 
 def load_results(results_dir: pathlib.Path = RESULTS_DIR,
-                 names: Iterable[str] = ("step", "collectives", "pack", "optimizer")
+                 names: Iterable[str] = ("step", "collectives", "pack", "optimizer",
+                                         "checkpoint")
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
   found = {}
@@ -293,6 +294,27 @@ def render_optimizer(results: Results) -> str:
                        machine_line(doc)])
 
 
+CHECKPOINT_COLUMNS = ("variant", "step ms", "vs no saves", "save call ms", "wait at end ms",
+                      "checkpoint MiB")
+
+
+def render_checkpoint(results: Results) -> str:
+  """The step loop with an Orbax checkpoint every 10 steps, asynchronous and not, against
+  the same loop without checkpoints."""
+  doc = results.get("checkpoint")
+  tables = _tables(doc, "variant", "step ms", "vs no saves") if doc else []
+  if not tables:
+    return _missing("checkpoint")
+  table = tables[0]
+  note = ("vs no saves: the loop's time over the same loop's without saves, in the same "
+          "round. save call ms: how long a call of `jpack.optax.save_checkpoint` that "
+          "saves holds the loop up, once the steps queued before it are done; wait at "
+          "end: `manager.wait_until_finished()` after the loop. On CPU devices the "
+          "background write shares the cores with the steps.")
+  return "\n\n".join([f"**{table['title']}**", _select(table, CHECKPOINT_COLUMNS), note,
+                       machine_line(doc)])
+
+
 RENDERERS: dict[str, Callable[[Results], str]] = {
     "readme": render_readme,
     "step": render_step,
@@ -300,6 +322,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "collectives": render_collectives,
     "pack": render_pack,
     "optimizer": render_optimizer,
+    "checkpoint": render_checkpoint,
 }
 
 

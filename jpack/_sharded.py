@@ -8,13 +8,11 @@ local slices, so per-device optimizer memory is ~1/N of the replicated state.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -22,7 +20,7 @@ from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
                                 reduce_scatter, shard)
 from jpack._internal import sum_of_squares
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
-from jpack._layout import Layout, check_plan_options, plan, retyped
+from jpack._layout import Layout, check_plan_options, plan
 from jpack._pack import Packed, pack
 from jpack._probe import checker
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
@@ -218,200 +216,6 @@ def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.Gradien
     return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-# -- checkpoints -----------------------------------------------------------------------
-
-
-def gather_state(state: ShardedState) -> Any:
-  """The state ``inner.init(params)`` would have on the full tree, from a `ShardedState`.
-
-  Call outside ``shard_map`` on the global state (each slice-shaped leaf is then a full
-  bucket, sharded over devices); the buckets are gathered to the host, and the result
-  holds numpy arrays (no accelerator has to hold the whole state). Every tuple of
-  buckets in the inner state becomes the params-shaped tree, in the buckets' dtype (the
-  params' dtype, or e.g. ``mu_dtype``); scalars (step counts) are kept. The result is
-  independent of the device count: save it with any checkpointer.
-
-  Args:
-    state: the global `ShardedState`.
-
-  Returns:
-    The full-tree optimizer state (for a dict ``inner``, the `optax.multi_transform`
-    state over the buckets, with each bucket tuple turned into a tree). With
-    ``param_dtype`` masters, ``{"inner_state": that, "master": the params tree in
-    full precision}``.
-  """
-  layout = state.layout
-  sizes = tuple(b.size for b in layout.buckets)
-  is_buckets = functools.partial(_is_bucket_tuple, sizes=sizes)
-  found = []
-
-  def convert(x):
-    if not is_buckets(x):
-      return x
-    found.append(x)
-    # With labels, optax.multi_transform gives each label's state MaskedNode() in place
-    # of the other labels' buckets; on the full tree it has MaskedNode() for their leaves.
-    buckets = tuple(np.zeros(b.size, b.dtype) if _is_masked(a) else _to_host(a)
-                    for a, b in zip(x, layout.buckets))
-    # Moments may have another float dtype than the params (adam(mu_dtype=...)).
-    leaves = layout.treedef.flatten_up_to(unpack_as_returned(Packed(buckets, layout)))
-    return layout.treedef.unflatten(
-        optax.MaskedNode() if _is_masked(x[slot.bucket]) else leaf
-        for slot, leaf in zip(layout.slots, leaves))
-
-  # Host arrays: a checkpoint should not need the whole state on one accelerator.
-  out = jax.device_get(jax.tree.map(convert, state.inner_state,
-                                    is_leaf=lambda x: is_buckets(x) or _is_masked(x)))
-  leading = (set() if found or not sizes else
-             {np.shape(x)[0] for x in jax.tree.leaves(state.inner_state) if np.ndim(x) == 2})
-  if leading:
-    raise ValueError(
-        "gather_state found no bucket-shaped state: its leaves have a leading axis of "
-        f"size {sorted(leading)}, as in a jax.pmap state (one row per device). It needs the "
-        "global state of a shard_map step (data_parallel's default), whose leaves are "
-        "whole buckets.")
-  if state.master is None:
-    return out
-  return {"inner_state": out, "master": jax.device_get(convert(tuple(state.master)))}
-
-
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
-
-
-def _is_bucket_tuple(x: Any, sizes: tuple[int, ...]) -> bool:
-  """A node of a `ShardedState`'s inner state holding one array per bucket (with labels,
-  `optax.MaskedNode` stands for other labels' buckets)."""
-  return (isinstance(x, tuple) and len(x) == len(sizes) and len(sizes) > 0 and all(
-      _is_masked(a) or (hasattr(a, "shape") and tuple(a.shape) == (s,))
-      for a, s in zip(x, sizes)))
-
-
-def _to_host(x: Any) -> np.ndarray:
-  """The whole value of a (possibly sharded, possibly multi-process) array, on the host."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
-
-
-def scatter_state(tree_state: Any, like: ShardedState) -> ShardedState:
-  """Inverse of `gather_state`, onto any device count.
-
-  Args:
-    tree_state: a full-tree state from `gather_state` (e.g. restored from a checkpoint
-      saved on a different number of devices); with masters, the
-      ``{"inner_state": ..., "master": ...}`` it returns.
-    like: a `ShardedState` of the new run (e.g. ``jax.eval_shape`` of its init); gives
-      the bucket layout for the new device count.
-
-  Returns:
-    A global `ShardedState` whose bucket tuples are full buckets; place it on devices
-    with the sharding of the new run's state.
-
-  Raises:
-    ValueError: naming the key path, if the saved state's structure, shapes or dtypes
-      do not match the new run's (another optimizer, other params, other labels).
-  """
-  layout = like.layout
-  saved_masters = (isinstance(tree_state, dict)
-                   and set(tree_state) == {"inner_state", "master"})
-  if (like.master is not None) != saved_masters:
-    has = "has" if saved_masters else "has no"
-    wants = "keeps" if like.master is not None else "keeps no"
-    raise ValueError(f"The saved optimizer state {has} master params (param_dtype=), and "
-                     f"the new run {wants} masters: use the same param_dtype= for both.")
-  if saved_masters:
-    master = _saved_to_buckets((jax.tree_util.DictKey("master"),), tree_state["master"],
-                               layout)
-    for i, (got, want) in enumerate(zip(master, like.master)):
-      if np.dtype(got.dtype) != np.dtype(want.dtype):
-        raise ValueError(f"Saved master bucket {i} is {got.dtype}; the new run keeps its "
-                         f"masters in {want.dtype}.")
-    inner = scatter_state(tree_state["inner_state"], ShardedState(like.inner_state, layout))
-    return ShardedState(inner.inner_state, layout, master=master)
-  sizes = tuple(b.size for b in layout.buckets)
-  # Where the new run's state holds a tuple of buckets, the saved one holds a params
-  # tree: found by position, since shapes alone cannot tell a scalar param's moment
-  # from a step count.
-  is_buckets = functools.partial(_is_bucket_tuple, sizes=sizes)
-  like_nodes, prefix = jax.tree_util.tree_flatten_with_path(like.inner_state,
-                                                             is_leaf=is_buckets)
-  try:
-    saved = prefix.flatten_up_to(tree_state)
-  except (ValueError, TypeError):
-    converted = tree_state  # a structure mismatch: named below
-  else:
-    converted = prefix.unflatten(
-        _saved_to_buckets(path, x, layout) if is_buckets(node) else x
-        for (path, node), x in zip(like_nodes, saved))
-  like_def = jax.tree.structure(like.inner_state)
-  if jax.tree.structure(converted) != like_def:
-    got = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(converted)]
-    want = [jax.tree_util.keystr(p)
-            for p, _ in jax.tree_util.tree_leaves_with_path(like.inner_state)]
-    first = next((f"saved {g}, expected {w}" for g, w in zip(got, want) if g != w),
-                 f"saved {len(got)} leaves, expected {len(want)}")
-    raise ValueError("The saved optimizer state does not match the new optimizer's state "
-                     f"structure (first difference: {first}): got "
-                     f"{jax.tree.structure(converted)}, expected {like_def}. Was it saved "
-                     "from the same inner transformation and labels=, for the same params?")
-  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(converted),
-                               jax.tree.leaves(like.inner_state)):
-    if np.shape(got) != tuple(want.shape) or jnp.result_type(got) != want.dtype:
-      raise ValueError(
-          f"Saved optimizer state at {jax.tree_util.keystr(path)} has shape "
-          f"{np.shape(got)} and dtype {jnp.result_type(got)}; the new run expects "
-          f"{tuple(want.shape)} {want.dtype}.")
-  return ShardedState(converted, layout)
-
-
-def _saved_to_buckets(path: Any, x: Any, layout: Layout) -> tuple[Any, ...]:
-  """A params-shaped tree of a saved state, as a tuple of buckets of ``layout`` (with
-  `optax.MaskedNode` for buckets of other labels)."""
-  params_def = layout.treedef
-  try:
-    leaves = params_def.flatten_up_to(x)
-  except (ValueError, TypeError):
-    raise ValueError(
-        f"Saved optimizer state at {jax.tree_util.keystr(path)} is "
-        f"{jax.tree.structure(x, is_leaf=_is_masked)}; the new run keeps a params-shaped "
-        f"tree there: {params_def}. Was it saved for the same params?") from None
-  masked = [_is_masked(v) for v in leaves]
-  # A bucket's state leaves share one dtype: the params' or, for moments kept in
-  # another float dtype (adam(mu_dtype=...)), that one.
-  dtypes = [b.dtype for b in layout.buckets]
-  seen = set()
-  for slot, v, m in zip(layout.slots, leaves, masked):
-    if m:
-      continue
-    got = np.dtype(jnp.result_type(v))
-    floats = jnp.issubdtype(got, jnp.floating) and jnp.issubdtype(slot.dtype, jnp.floating)
-    if slot.bucket not in seen and floats:
-      dtypes[slot.bucket] = got
-    seen.add(slot.bucket)
-    if np.shape(v) != slot.shape or got != dtypes[slot.bucket]:
-      raise ValueError(
-          f"Saved optimizer state at {jax.tree_util.keystr(path)}{slot.path} has shape "
-          f"{np.shape(v)} and dtype {got}; the params there are {slot.shape} "
-          f"{slot.dtype}" + (f" (and this state's other leaves in their bucket "
-                             f"{dtypes[slot.bucket]})" if dtypes[slot.bucket] != slot.dtype
-                             else "") + ".")
-  buckets = []
-  for b, bucket in enumerate(layout.buckets):
-    flags = {masked[i] for i in bucket.slots}
-    if len(flags) > 1:
-      raise ValueError(
-          f"Bucket {b} of the new layout mixes leaves the saved state masks and leaves it "
-          "does not: plan the new run with the same labels= as the saved one.")
-    buckets.append(flags == {True})
-  new_layout = retyped(layout, dtypes)
-  zeros = [jnp.zeros(s.shape, s.dtype) if m else v
-           for s, v, m in zip(new_layout.slots, leaves, masked)]
-  packed = pack(params_def.unflatten(zeros), new_layout).buckets
-  return tuple(optax.MaskedNode() if m else p for p, m in zip(packed, buckets))
 
 
 def state_bytes_per_device(state: ShardedState, num_devices: int) -> int:

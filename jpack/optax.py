@@ -1,15 +1,17 @@
-"""optax integration: all-reduce in a chain, optimizers on flat buckets, ZeRO-1."""
+"""optax integration: all-reduce in a chain, optimizers on flat buckets, ZeRO-1, checkpoints."""
 
 from jpack._sharded import ShardedState as ShardedState
 from jpack._sharded import clip_by_global_norm as clip_by_global_norm
-from jpack._sharded import gather_state as gather_state
-from jpack._sharded import scatter_state as scatter_state
 from jpack._sharded import sharded as sharded
 from jpack._sharded import state_bytes_per_device as state_bytes_per_device
 from jpack._transforms import AllReduceState as AllReduceState
 from jpack._transforms import FlatState as FlatState
 from jpack._transforms import allreduce as allreduce
 from jpack._transforms import flat as flat
+from jpack._checkpoint import gather_state as gather_state
+from jpack._checkpoint import restore_checkpoint as restore_checkpoint
+from jpack._checkpoint import save_checkpoint as save_checkpoint
+from jpack._checkpoint import scatter_state as scatter_state
 
 __all__ = [
     "AllReduceState",
@@ -19,6 +21,8 @@ __all__ = [
     "clip_by_global_norm",
     "flat",
     "gather_state",
+    "restore_checkpoint",
+    "save_checkpoint",
     "scatter_state",
     "sharded",
     "state_bytes_per_device",

@@ -1,0 +1,336 @@
+"""Checkpoints of every mode's training state, independent of the device count.
+
+`jpack.optax.gather_state` / `scatter_state` take any optimizer state (the packed mode's
+chain with a `FlatState` too); `save_checkpoint` / `restore_checkpoint` save a whole
+`TrainState` with Orbax and restore it onto 8, 4 or 1 devices and into another mode, and
+refuse, naming what differs, a checkpoint of another model or optimizer and a directory
+whose only checkpoint was never finished. The 8 CPU devices come from conftest.py.
+"""
+
+import doctest
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jpack
+from jpack import _checkpoint
+
+MODES = ["packed", "sharded", "allreduce"]
+BATCH = 16  # rows: splits over 8, 4 and 1 devices
+
+
+def params0(width=4):
+  rng = np.random.default_rng(0)
+  return {"dense": {"w": rng.normal(size=(6, width)).astype(np.float32),
+                    "b": np.zeros(width, np.float32)},
+          "out": rng.normal(size=(width, 3)).astype(np.float32)}
+
+
+def loss_fn(params, batch):
+  x, y = batch
+  h = jnp.tanh(x @ params["dense"]["w"] + params["dense"]["b"])
+  return jnp.mean((h @ params["out"] - y) ** 2)
+
+
+def batch_at(step):
+  rng = np.random.default_rng(step)
+  return (rng.normal(size=(BATCH, 6)).astype(np.float32),
+          rng.normal(size=(BATCH, 3)).astype(np.float32))
+
+
+def mesh_of(n):
+  return jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def make(mode="packed", n=8, optimizer=None, width=4, **kw):
+  return jpack.data_parallel(loss_fn, optimizer or optax.adam(1e-2), params0(width),
+                             mesh_of(n), mode=mode, **kw)
+
+
+def train(dp, state, start, stop):
+  for step in range(start, stop):
+    state, _ = dp.step(state, batch_at(step))
+  return state
+
+
+def manager_at(path, **options):
+  return ocp.CheckpointManager(pathlib.Path(path).absolute(),
+                               options=ocp.CheckpointManagerOptions(**options))
+
+
+def saved_tree(dp, state):
+  """What a run carries, device-count independent: params, optimizer state, step."""
+  return {"params": jax.device_get(dp.params(state)),
+          "opt_state": jpack.optax.gather_state(_checkpoint._optimizer_part(state.opt_state)),
+          "step": np.asarray(state.step)}
+
+
+def assert_bits_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+    assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+
+
+def assert_close(a, b, tol=1e-5):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
+                               rtol=tol, atol=tol)
+
+
+def save(path, dp, state, step, key=None, **options):
+  with manager_at(path, **options) as manager:
+    assert jpack.optax.save_checkpoint(manager, step, state, key=key)
+
+
+# -- gather_state / scatter_state on any optimizer state ----------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gather_state_takes_every_modes_state(mode):
+  dp = make(mode)
+  state = train(dp, dp.init(params0()), 0, 2)
+  gathered = jpack.optax.gather_state(state.opt_state)  # raised AttributeError for packed
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(gathered))
+  want = optax.adam(1e-2).init(params0())
+  inner = gathered if mode == "sharded" else gathered[1]
+  assert jax.tree.structure(inner) == jax.tree.structure(want)
+  if mode != "sharded":  # the all-reduce's gradient norm is kept where it was
+    assert isinstance(gathered[0], jpack.optax.AllReduceState)
+  # Every mode holds the same optimizer state on the params tree.
+  ref = make("allreduce")
+  ref_state = train(ref, ref.init(params0()), 0, 2)
+  assert_close(inner, jpack.optax.gather_state(ref_state.opt_state)[1])
+
+
+def test_gather_state_of_an_abstract_state_is_the_abstract_tree_form():
+  dp = make("packed")
+  like = jax.eval_shape(dp.init, params0())
+  abstract = jpack.optax.gather_state(like.opt_state)
+  concrete = jpack.optax.gather_state(dp.init(params0()).opt_state)
+  assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
+  for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete)):
+    assert isinstance(a, jax.ShapeDtypeStruct) and a.sharding is None
+    assert (a.shape, a.dtype) == (c.shape, c.dtype)
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_scatter_state_inverts_gather_state_on_another_device_count(mode):
+  dp8 = make(mode, 8)
+  state = train(dp8, dp8.init(params0()), 0, 3)
+  saved = jpack.optax.gather_state(state.opt_state)
+  dp4 = make(mode, 4)
+  like = jax.eval_shape(dp4.init, params0()).opt_state
+  restored = jpack.optax.scatter_state(saved, like)
+  assert jax.tree.structure(restored) == jax.tree.structure(like)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(like)):
+    assert (np.shape(got), np.asarray(got).dtype) == (want.shape, want.dtype)
+  assert_bits_equal(jpack.optax.gather_state(restored), saved)
+
+
+def test_scatter_state_names_the_path_in_a_whole_state():
+  dp = make("packed")
+  state = dp.init(params0())
+  saved = jpack.optax.gather_state(state.opt_state)
+  bad = (saved[0], (saved[1][0]._replace(mu={**saved[1][0].mu,
+                                             "out": np.zeros((5, 3), np.float32)}),
+                    saved[1][1]))
+  with pytest.raises(ValueError, match=r"\[1\]\[0\]\.mu\['out'\].*\(5, 3\)"):
+    jpack.optax.scatter_state(bad, state.opt_state)
+  with pytest.raises(ValueError, match=r"first difference: saved .*expected \[0\]\.grad_norm"):
+    jpack.optax.scatter_state(saved[1], state.opt_state)  # the chain's first part missing
+
+
+# -- save and restore with Orbax ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_restored_state_continues_bit_identically(mode, tmp_path):
+  dp = make(mode)
+  state = train(dp, dp.init(params0()), 0, 3)
+  key = jax.random.key(42)
+  save(tmp_path, dp, state, 3, key=key)
+  restored, restored_key = jpack.optax.restore_checkpoint(
+      tmp_path, jax.eval_shape(dp.init, params0()))
+  assert int(restored.step) == 3
+  assert_bits_equal(saved_tree(dp, restored), saved_tree(dp, state))
+  assert bool(restored_key == key) and restored_key.dtype == key.dtype
+  # The next steps from the restored state are the original run's, bit for bit.
+  assert_bits_equal(saved_tree(dp, train(dp, restored, 3, 5)),
+                    saved_tree(dp, train(dp, state, 3, 5)))
+
+
+@pytest.mark.parametrize("n", [4, 1])
+def test_a_sharded_run_on_8_restores_onto_4_and_1(n, tmp_path):
+  dp8 = make("sharded", 8)
+  state = train(dp8, dp8.init(params0()), 0, 3)
+  save(tmp_path, dp8, state, 3)
+  dpn = make("sharded", n)
+  restored, key = jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dpn.init, params0()))
+  assert key is None
+  assert restored.opt_state.layout == dpn.layout  # buckets padded for n devices
+  assert_bits_equal(saved_tree(dpn, restored), saved_tree(dp8, state))
+  # Training goes on where the 8-device run does (up to the order of float sums).
+  assert_close(dpn.params(train(dpn, restored, 3, 5)), dp8.params(train(dp8, state, 3, 5)))
+
+
+@pytest.mark.parametrize("saved_mode,new_mode", [("packed", "sharded"), ("sharded", "packed"),
+                                                 ("allreduce", "sharded")])
+def test_a_checkpoint_restores_in_another_mode(saved_mode, new_mode, tmp_path):
+  dp = make(saved_mode, 8)
+  state = train(dp, dp.init(params0()), 0, 3)
+  save(tmp_path, dp, state, 3)
+  other = make(new_mode, 4)
+  restored, _ = jpack.optax.restore_checkpoint(tmp_path,
+                                               jax.eval_shape(other.init, params0()))
+  assert_bits_equal(saved_tree(other, restored), saved_tree(dp, state))
+  assert_close(other.params(train(other, restored, 3, 5)), dp.params(train(dp, state, 3, 5)))
+
+
+def test_masters_and_labels_survive_a_change_of_mode_and_device_count(tmp_path):
+  optimizer = {"decay": optax.adamw(1e-2, weight_decay=0.1), "plain": optax.adam(1e-2)}
+  labels = {"dense": {"w": "decay", "b": "plain"}, "out": "decay"}
+  kw = dict(optimizer=optimizer, labels=labels, param_dtype=jnp.bfloat16)
+  dp = make("packed", 8, **kw)
+  state = train(dp, dp.init(params0()), 0, 2)
+  save(tmp_path, dp, state, 2)
+  other = make("sharded", 4, **kw)
+  restored, _ = jpack.optax.restore_checkpoint(tmp_path,
+                                               jax.eval_shape(other.init, params0()))
+  saved = saved_tree(other, restored)
+  assert saved["params"]["out"].dtype == jnp.bfloat16
+  assert saved["opt_state"]["master"]["out"].dtype == np.float32
+  assert_bits_equal(saved, saved_tree(dp, state))
+  train(other, restored, 2, 3)
+
+
+def test_model_state_is_carried(tmp_path):
+  dp = make("sharded")
+  state = dp.init(params0())
+  if "model_state" not in state._fields:
+    pytest.skip("TrainState has no model_state field")
+  stats = {"mean": np.arange(4, dtype=np.float32), "count": np.int32(7)}
+  save(tmp_path, dp, state._replace(model_state=stats), 0)
+  like = jax.eval_shape(dp.init, params0())._replace(model_state=jax.eval_shape(lambda: stats))
+  restored, _ = jpack.optax.restore_checkpoint(tmp_path, like)
+  assert_bits_equal(restored.model_state, stats)
+  with pytest.raises(ValueError, match="carries model_state.*carries no model_state"):
+    jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp.init, params0()))
+
+
+def test_a_raw_key_and_the_latest_of_several_steps(tmp_path):
+  dp = make("packed")
+  state = dp.init(params0())
+  raw = jax.random.PRNGKey(3)
+  with manager_at(tmp_path, save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(2),
+                  preservation_policy=ocp.checkpoint_managers.LatestN(2)) as manager:
+    for step in range(6):
+      state = train(dp, state, step, step + 1)
+      saved = jpack.optax.save_checkpoint(manager, step + 1, state, key=raw)
+      assert saved == ((step + 1) % 2 == 0)  # the manager's policy decides
+    manager.wait_until_finished()
+    assert manager.all_steps() == [4, 6]
+    restored, key = jpack.optax.restore_checkpoint(manager, jax.eval_shape(dp.init, params0()))
+    assert int(restored.step) == 6 and key.dtype == np.uint32
+    np.testing.assert_array_equal(key, raw)
+    # A real state works as `like` too (its values are not used).
+    older, _ = jpack.optax.restore_checkpoint(manager, dp.init(params0()), step=4)
+    assert int(older.step) == 4
+
+
+def test_save_checkpoint_refuses_a_step_that_is_not_the_states(tmp_path):
+  dp = make("packed")
+  with manager_at(tmp_path) as manager:
+    with pytest.raises(ValueError, match="asked to save step 5, but the state has taken 0"):
+      jpack.optax.save_checkpoint(manager, 5, dp.init(params0()))
+
+
+def test_checkpoint_metadata_does_not_depend_on_the_device_count(tmp_path):
+  metas = []
+  for n in (8, 2):
+    dp = make("sharded", n)
+    save(tmp_path / str(n), dp, dp.init(params0()), 0)
+    with manager_at(tmp_path / str(n)) as manager:
+      metas.append(_checkpoint._read_meta(manager, 0, "here"))
+  assert metas[0] == metas[1]
+  assert metas[0]["params"][0] == ["['dense']['b']", [4], "float32"]
+  assert metas[0]["fingerprint"] != make("sharded", 8).layout.fingerprint
+
+
+# -- refused ------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_leaf(tmp_path):
+  dp = make("sharded")
+  save(tmp_path, dp, dp.init(params0()), 0)
+  wider = make("sharded", width=8)
+  with pytest.raises(ValueError, match=r"in the params, \['dense'\]\['b'\] is \(4,\) "
+                                       r"float32 in the checkpoint, \(8,\) float32 in the "
+                                       r"new run \(params fingerprint \w+ saved, \w+ now\)"
+                                       r"; it is of another model\."):
+    jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(wider.init, params0(8)))
+  renamed = jpack.data_parallel(lambda p, b: loss_fn({**p, "out": p["head"]}, b),
+                                optax.adam(1e-2),
+                                {"dense": params0()["dense"], "head": params0()["out"]},
+                                mesh_of(8), mode="sharded")
+  like = jax.eval_shape(renamed.init, {"dense": params0()["dense"], "head": params0()["out"]})
+  with pytest.raises(ValueError, match=r"in the params, \['out'\] is in the checkpoint, "
+                                       r"not in the new run"):
+    jpack.optax.restore_checkpoint(tmp_path, like)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_path(tmp_path):
+  dp = make("packed")
+  save(tmp_path, dp, dp.init(params0()), 0)
+  sgd = make("packed", optimizer=optax.sgd(0.1, momentum=0.9))
+  with pytest.raises(ValueError, match=r"in the optimizer state, \[0\]\.count is in the "
+                                       r"checkpoint.*same optimizer, labels= and "
+                                       r"param_dtype="):
+    jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(sgd.init, params0()))
+  masters = make("packed", param_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="does not fit the new run"):
+    jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(masters.init, params0()))
+
+
+def test_a_directory_whose_only_checkpoint_is_unfinished_is_refused(tmp_path):
+  dp = make("packed")
+  like = jax.eval_shape(dp.init, params0())
+  # What a save killed before Orbax finalized it leaves: the step's temporary directory.
+  save(tmp_path / "done", dp, dp.init(params0()), 0)
+  (tmp_path / "done" / "0").rename(tmp_path / "0.orbax-checkpoint-tmp")
+  with pytest.raises(FileNotFoundError, match=r"no finished checkpoint in .*; unfinished "
+                                              r"\(a save was interrupted\): "
+                                              r"0\.orbax-checkpoint-tmp\."):
+    jpack.optax.restore_checkpoint(tmp_path, like)
+  with manager_at(tmp_path) as manager:  # a manager sees no step there either
+    assert manager.latest_step() is None
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint in"):
+      jpack.optax.restore_checkpoint(manager, like)
+  with pytest.raises(FileNotFoundError, match="no finished checkpoint in .*no such directory"):
+    jpack.optax.restore_checkpoint(tmp_path / "missing", like)
+  save(tmp_path / "other", dp, dp.init(params0()), 0)
+  with pytest.raises(FileNotFoundError, match=r"no finished checkpoint of step 3 in .*"
+                                              r"finished steps: \[0\]"):
+    jpack.optax.restore_checkpoint(tmp_path / "other", like, step=3)
+
+
+def test_a_checkpoint_not_written_by_save_checkpoint_is_refused(tmp_path):
+  dp = make("packed")
+  with manager_at(tmp_path) as manager:
+    manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(
+        {"params": params0()})))
+  with pytest.raises(ValueError, match="not written by jpack.optax.save_checkpoint"):
+    jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp.init, params0()))
+
+
+def test_docstring_examples():
+  result = doctest.testmod(_checkpoint, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0

@@ -59,7 +59,7 @@ BASE, NEW = "base", "new"
 BLOCKS = 3             # timed blocks per side and round
 CHAIN = "optax_chain"  # the hand-written step's key, as in benchmarks.step
 CHAIN_GOAL = 1.05      # chain / data_parallel(mode="allreduce"), new code
-MODES = tuple(dict.fromkeys(mode for mode, _, _ in st.DATA_PARALLEL.values()))
+MODES = tuple(dict.fromkeys(v.mode for v in st.DATA_PARALLEL.values()))
 QUICK_MODEL = "mlp_4x32"
 
 # `import jpack...` / `from jpack...` at the start of a line, and `jpack.name` in code
@@ -123,8 +123,8 @@ def step_side(module: types.ModuleType, key: str, model: st.Model, mesh, batch) 
   state = jax.block_until_ready(s.init(model.params))
   compiled = c.compile_fn(s.step, state, batch, jit_kwargs={"donate_argnums": 0})
   state, _ = compiled.fn(state, batch)  # warm-up
-  p = st._Prepared(key, s, compiled, jax.block_until_ready(state), [])
-  return Side(compiled, functools.partial(st._time_block, p, batch), p.times)
+  p = st._Prepared(key, s, compiled, jax.block_until_ready(state), [batch], [])
+  return Side(compiled, functools.partial(st._time_block, p), p.times)
 
 
 def pmean_side(module: types.ModuleType, bench: coll.Bench, w: c.Workload, tree: Any) -> Side:

@@ -6,8 +6,9 @@ lengths are padded for the number of devices (and, for ZeRO-1, split over them).
 optimizer has on the params tree (plain optax state, host arrays), and `scatter_state`
 puts such a state back onto the buckets of any new run. `save_checkpoint` and
 `restore_checkpoint` save a whole `jpack.TrainState` in that form with an Orbax
-`CheckpointManager`, and refuse a checkpoint of another model, of another optimizer or
-one whose save never finished, naming what differs.
+`CheckpointManager` (each tree written as one flat array per dtype), and refuse a
+checkpoint of another model, of another optimizer or one whose save never finished,
+naming what differs.
 
 Orbax is imported only by those two functions: jpack does not depend on it.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 from typing import Any
 
@@ -33,7 +35,7 @@ from jpack._transforms import AllReduceState, FlatState
 
 _NODES = (FlatState, ShardedState)
 # The version of the saved form, in every checkpoint's metadata item.
-FORMAT = 1
+FORMAT = 2
 _TMP = ".orbax-checkpoint-tmp"  # how Orbax names a step directory it has not finalized
 
 
@@ -380,10 +382,13 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
   params tree, "opt_state": the optimizer's state on the params tree (as
   ``optimizer.init(params)`` has it; with ``param_dtype``, ``{"inner_state": ...,
   "master": ...}``), "step": the step count, "key": the key's data (if given),
-  "model_state": (if the state has one)}``, and item ``"meta"`` (JSON) the shapes and
-  dtypes of the params and of that state, the params' fingerprint and the key's
-  implementation, which `restore_checkpoint` checks before restoring. The gradient norm
-  the step keeps for logging is not saved.
+  "model_state": (if the state has one)}``, each of the trees params, opt_state and
+  model_state written as one flat array per dtype (its leaves of that dtype raveled and
+  concatenated in leaf order; scalars, such as step counts, kept apart): Orbax's cost
+  grows with the number of arrays. Item ``"meta"`` (JSON) holds the key paths, shapes
+  and dtypes of every leaf of those trees, the params' fingerprint and the key's
+  implementation, which `restore_checkpoint` checks before restoring, and slices the
+  flat arrays by. The gradient norm the step keeps for logging is not saved.
 
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``.
@@ -422,8 +427,8 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
                      f"taken {int(saved['step'])} steps: pass the loop's count of "
                      "state.step.")
   return manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(saved), meta=ocp.args.JsonSave(_metadata(saved, key))),
-                      force=force)
+      state=ocp.args.StandardSave(_flat_form(saved)),
+      meta=ocp.args.JsonSave(_metadata(saved, key))), force=force)
 
 
 def restore_checkpoint(manager: Any, like: Any, *, step: int | None = None
@@ -492,8 +497,9 @@ def restore_checkpoint(manager: Any, like: Any, *, step: int | None = None
   if "model_state" in target:
     _check_same(meta["model_state"], _signature(target["model_state"]), "model_state",
                 where)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target))).state
+  flat = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(_flat_form(target)))).state
+  restored = _from_flat_form(flat, target)
   return _from_saved(restored, like), _key_of(restored, meta)
 
 
@@ -549,8 +555,14 @@ def _saved_form(state: Any, key: Any) -> dict[str, Any]:
 def _signature(tree: Any) -> list[list[Any]]:
   """``[key path, shape, dtype]`` of every leaf: what a checkpoint's metadata records
   and a new run compares."""
-  return [[jax.tree_util.keystr(path), list(np.shape(x)), np.dtype(x.dtype).name]
+  return [[jax.tree_util.keystr(path), list(np.shape(x)), _dtype_name(x.dtype)]
           for path, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: Any) -> str:
+  # Cached: numpy builds the name anew on every call, a few ms over the leaves of a save.
+  return np.dtype(dtype).name
 
 
 def _fingerprint(signature: list[list[Any]]) -> str:
@@ -569,6 +581,73 @@ def _metadata(saved: dict[str, Any], key: Any) -> dict[str, Any]:
           "key": (None if key is None else
                   {"impl": str(jax.random.key_impl(key)) if _is_key(key) else None,
                    "shape": list(saved["key"].shape)})}
+
+
+# The parts of the saved form that are trees of arrays, each written as a few flat arrays.
+_FLAT_PARTS = ("params", "opt_state", "model_state")
+_SCALARS = "scalars"
+
+
+def _flat_form(saved: dict[str, Any]) -> dict[str, Any]:
+  """What Orbax writes: each tree of ``saved`` as one flat array per dtype. Orbax's cost
+  grows with the number of arrays far more than with their bytes, and the tree form
+  has a few per param."""
+  return {name: _flatten_part(x) if name in _FLAT_PARTS else x for name, x in saved.items()}
+
+
+def _from_flat_form(flat: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+  """The saved form back from what Orbax read; ``target`` (abstract) gives each tree's
+  structure, leaf shapes and dtypes, already checked against the checkpoint's meta."""
+  return {name: _unflatten_part(flat[name], target[name]) if name in _FLAT_PARTS else x
+          for name, x in flat.items()}
+
+
+def _is_loose(x: Any) -> bool:
+  """A leaf kept as an array of its own: a scalar (a step count), or a typed PRNG key
+  (no numpy dtype to share a flat array with)."""
+  return len(np.shape(x)) == 0 or _is_key(x)
+
+
+def _flatten_part(tree: Any) -> dict[str, Any]:
+  """``{dtype name: the leaves of that dtype, raveled and concatenated in leaf order},
+  "scalars": [the loose leaves in leaf order]}``. The order is the tree form's, which
+  depends on neither the device count nor the mode; the leaves' shapes are in the meta.
+  Empty containers are left out (Orbax writes nothing for them)."""
+  groups: dict[str, list[Any]] = {}
+  loose = []
+  for x in jax.tree.leaves(tree):
+    if _is_loose(x):
+      loose.append(x)
+    else:
+      groups.setdefault(_dtype_name(x.dtype), []).append(x)
+  out: dict[str, Any] = {name: _concatenate(xs) for name, xs in groups.items()}
+  if loose:
+    out[_SCALARS] = loose
+  return out
+
+
+def _concatenate(xs: list[Any]) -> Any:
+  if any(_is_abstract(x) for x in xs):
+    return jax.ShapeDtypeStruct((sum(math.prod(x.shape) for x in xs),), xs[0].dtype)
+  return np.concatenate([np.ravel(x) for x in xs])
+
+
+def _unflatten_part(flat: dict[str, Any], like: Any) -> Any:
+  """Inverse of `_flatten_part`, into ``like``'s structure: numpy views of the flat
+  arrays (nothing is compiled or copied)."""
+  leaves, treedef = jax.tree.flatten(like)
+  offsets = dict.fromkeys(flat, 0)
+  loose = iter(flat.get(_SCALARS, ()))
+  out = []
+  for x in leaves:
+    if _is_loose(x):
+      out.append(next(loose))
+      continue
+    name, size = _dtype_name(x.dtype), math.prod(x.shape)
+    start = offsets[name]
+    out.append(np.asarray(flat[name])[start:start + size].reshape(x.shape))
+    offsets[name] = start + size
+  return treedef.unflatten(out)
 
 
 def _finished_step(manager: Any, step: int | None) -> int:
@@ -595,7 +674,12 @@ def _read_meta(manager: Any, step: int, where: str) -> dict[str, Any]:
   except (FileNotFoundError, KeyError, ValueError) as e:
     raise ValueError(f"The checkpoint in {where} has no readable 'meta' item ({e}): "
                      "it was not written by jpack.optax.save_checkpoint.") from None
-  if not isinstance(meta, dict) or meta.get("jpack_checkpoint") != FORMAT:
+  version = meta.get("jpack_checkpoint") if isinstance(meta, dict) else None
+  if isinstance(version, int) and version != FORMAT:
+    raise ValueError(f"The checkpoint in {where} is in jpack's checkpoint format {version}; "
+                     f"this jpack reads format {FORMAT} only: restore it with the jpack "
+                     "that wrote it.")
+  if version != FORMAT:
     raise ValueError(f"The checkpoint in {where} was not written by "
                      f"jpack.optax.save_checkpoint (format {FORMAT}): its 'meta' item is "
                      f"{str(meta)[:200]}.")

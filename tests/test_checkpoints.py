@@ -265,6 +265,58 @@ def test_checkpoint_metadata_does_not_depend_on_the_device_count(tmp_path):
   assert metas[0]["fingerprint"] != make("sharded", 8).layout.fingerprint
 
 
+def read_raw_state(path, step):
+  """The "state" item as Orbax holds it, read without a target."""
+  with manager_at(path) as manager:
+    return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+
+
+def test_the_saved_state_is_one_flat_array_per_dtype_whatever_the_mode_and_devices(tmp_path):
+  size = sum(np.size(x) for x in jax.tree.leaves(params0()))
+  forms = []
+  for mode, n in [("packed", 8), ("sharded", 2), ("allreduce", 4)]:
+    dp = make(mode, n)
+    save(tmp_path / mode, dp, dp.init(params0()), 0)
+    forms.append(read_raw_state(tmp_path / mode, 0))
+  raw = forms[0]
+  assert jax.tree.map(np.shape, raw) == {
+      "params": {"float32": (size,)},
+      "opt_state": {"float32": (2 * size,), "scalars": [()]},  # adam's mu and nu; count
+      "step": ()}
+  for other in forms[1:]:
+    assert_bits_equal(other, raw)
+
+
+def leaves_by_meta(flat, signature):
+  """Each leaf of a saved part, sliced from its flat arrays as the meta describes them."""
+  offsets, out, scalars = {}, {}, iter(flat.get("scalars", []))
+  for path, shape, dtype in signature:
+    if not shape:
+      out[path] = next(scalars)
+      continue
+    start, size = offsets.get(dtype, 0), int(np.prod(shape))
+    out[path] = flat[dtype][start:start + size].reshape(shape)
+    offsets[dtype] = start + size
+  assert offsets == {k: v.size for k, v in flat.items() if k != "scalars"}  # nothing else
+  return out
+
+
+def test_the_meta_says_where_each_leaf_is_in_the_flat_arrays(tmp_path):
+  dp = make("sharded", 8, param_dtype=jnp.bfloat16)  # bfloat16 params, float32 masters
+  state = train(dp, dp.init(params0()), 0, 3)
+  save(tmp_path, dp, state, 3)
+  raw = read_raw_state(tmp_path, 3)
+  assert set(raw["params"]) == {"bfloat16"} and set(raw["opt_state"]) == {"float32", "scalars"}
+  with manager_at(tmp_path) as manager:
+    meta = _checkpoint._read_meta(manager, 3, "here")
+  tree = saved_tree(dp, state)
+  for part in ("params", "opt_state"):
+    want = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree[part])}
+    got = leaves_by_meta(raw[part], meta[part])
+    assert list(got) == list(want)
+    assert_bits_equal(got, want)
+
+
 # -- refused ------------------------------------------------------------------------------
 
 
@@ -328,6 +380,17 @@ def test_a_checkpoint_not_written_by_save_checkpoint_is_refused(tmp_path):
     manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(
         {"params": params0()})))
   with pytest.raises(ValueError, match="not written by jpack.optax.save_checkpoint"):
+    jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp.init, params0()))
+
+
+def test_a_checkpoint_of_another_format_is_refused(tmp_path):
+  dp = make("packed")
+  with manager_at(tmp_path) as manager:
+    manager.save(0, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": params0()}),
+        meta=ocp.args.JsonSave({"jpack_checkpoint": 1, "step": 0})))
+  with pytest.raises(ValueError, match=r"is in jpack's checkpoint format 1; this jpack "
+                                       r"reads format 2 only"):
     jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp.init, params0()))
 
 

@@ -25,8 +25,9 @@ from jpack._pack import Packed, pack
 from jpack._probe import checker
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
-from jpack._transforms import (after, apply_to_masters, layout_of_masters, layout_state_repr,
-                               pack_like, unpack_as_returned, value_scalars)
+from jpack._transforms import (after, layout_of_masters, layout_state_repr,
+                               pack_like, unpack_as_returned, update_buckets,
+                               value_scalars)
 
 
 @jax.tree_util.register_dataclass
@@ -162,15 +163,8 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       if not isinstance(local_params, Shards):
         local_params = shard(local_params, axis_name)
       local_params = local_params.buckets
-    tx = labelled(inner, layout)
-    if masters is None:
-      new, inner_state = tx.update(grads.buckets, state.inner_state, local_params,
-                                   **extra_args)
-      master = None
-    else:
-      new, inner_state = tx.update(grads.buckets, state.inner_state, state.master,
-                                   **extra_args)
-      new, master = apply_to_masters(new, state.master, local_params, layout)
+    new, inner_state, master = update_buckets(labelled(inner, layout), grads.buckets, state,
+                                              local_params, extra_args)
     new_state = ShardedState(inner_state, layout, norm, master)
     if isinstance(params, Shards):
       # The caller applies the updates to its slice and all-gathers the new params:

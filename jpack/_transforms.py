@@ -258,15 +258,8 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
     packed = after_all(packed if masters is None else as_layout(packed, masters),
                        *value_scalars(extra_args.get("value")))
     flat_params = None if params is None else pack_like(params, layout, "params").buckets
-    tx = labelled(inner, layout)
-    if masters is None:
-      new, inner_state = tx.update(packed.buckets, state.inner_state, flat_params,
-                                   **extra_args)
-      master = None
-    else:
-      new, inner_state = tx.update(packed.buckets, state.inner_state, state.master,
-                                   **extra_args)
-      new, master = apply_to_masters(new, state.master, flat_params, layout)
+    new, inner_state, master = update_buckets(labelled(inner, layout), packed.buckets, state,
+                                              flat_params, extra_args)
     out = Packed(tuple(new), layout)
     return ((out if was_packed else unpack_as_returned(out)),
             FlatState(inner_state, layout, master))
@@ -339,6 +332,20 @@ def layout_of_masters(state: Any) -> Layout:
   if dtypes == [b.dtype for b in state.layout.buckets]:
     return state.layout
   return retyped(state.layout, dtypes)
+
+
+def update_buckets(tx: optax.GradientTransformationExtraArgs, grads: tuple[Any, ...],
+                   state: Any, params: tuple[Any, ...] | None, extra_args: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], Any, tuple[Any, ...] | None]:
+  """``tx`` on buckets (or slices) of ``state`` (a `FlatState` or `ShardedState`):
+  ``(updates, inner_state, master)``. With masters, ``tx`` updates them and the updates
+  take ``params`` to the new masters rounded (`apply_to_masters`)."""
+  if state.master is None:
+    new, inner_state = tx.update(grads, state.inner_state, params, **extra_args)
+    return new, inner_state, None
+  new, inner_state = tx.update(grads, state.inner_state, state.master, **extra_args)
+  new, master = apply_to_masters(new, state.master, params, state.layout)
+  return new, inner_state, master
 
 
 def apply_to_masters(updates: Any, masters: tuple[Any, ...], params: tuple[Any, ...] | None,

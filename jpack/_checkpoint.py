@@ -390,6 +390,15 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
   implementation, which `restore_checkpoint` checks before restoring, and slices the
   flat arrays by. The gradient norm the step keeps for logging is not saved.
 
+  On several processes (``jax.distributed``), every process calls it, for the same
+  ``step``, with a manager on the same directory (a file system they share) and the
+  global state of the same run: Orbax's save is collective. Each process copies the
+  whole state to its host (ZeRO-1 slices it does not hold come from the others through
+  ``multihost_utils.process_allgather``, also collective), and process 0 writes the
+  arrays and ``"meta"`` (Orbax writes numpy arrays as replicated values, from process 0
+  only): the ``key`` saved is process 0's. The checkpoint is the same as one process
+  would write, and restores on any number of processes and devices.
+
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``.
     step: the step to save it as: ``state.step``, as the loop counts it (reading
@@ -439,12 +448,14 @@ def restore_checkpoint(manager: Any, like: Any, *, step: int | None = None
   key paths, shapes and dtypes of ``like``'s, and the saved optimizer state the
   structure, shapes and dtypes the new run's optimizer state has on the params tree.
 
+  On several processes, every process calls it and reads the whole state.
+
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``, or the directory it writes to.
-    like: the new run's `jpack.TrainState` or, computing nothing,
-      ``jax.eval_shape(dp.init, params)`` (``dp`` the new ``jpack.data_parallel``, on
-      any mesh and in any mode; with ``model_state``, ``jax.eval_shape(dp.init, params,
-      model_state)``).
+    like: the new run's `jpack.TrainState` (its values are not read) or, computing
+      nothing, ``jax.eval_shape(dp.init, params)`` (``dp`` the new
+      ``jpack.data_parallel``, on any mesh and in any mode; with ``model_state``,
+      ``jax.eval_shape(dp.init, params, model_state)``).
     step: the step to restore; default: the latest finished one.
 
   Returns:
@@ -689,7 +700,9 @@ def _read_meta(manager: Any, step: int, where: str) -> dict[str, Any]:
 def _target(like: Any, meta: dict[str, Any]) -> dict[str, Any]:
   """The abstract saved form of ``like``: what the checkpoint must hold, and Orbax's
   restore target (host arrays, no sharding)."""
-  target = {"params": _abstract(_params_tree(like.params)),
+  # Abstract first: a real ``like``'s values are never read (on several processes
+  # ``like`` is a real state, see restore_checkpoint: reading it would copy it).
+  target = {"params": _params_tree(_abstract(like.params)),
             "opt_state": gather_state(_abstract(_optimizer_part(like.opt_state))),
             "step": jax.ShapeDtypeStruct((), like.step.dtype)}
   if meta.get("key") is not None:

@@ -268,7 +268,7 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
 
   def init(params, model_state=None):
     _check_model_state(model_state, has_state)
-    assert_same_layout(layout)
+    _check_same_layout(params, layout)
     flatten_like(params, layout)  # before device_put would make float64 leaves float32
     return init_sm(*jax.tree.map(lambda x: replicate(x, replicated), (params, model_state)))
 
@@ -374,6 +374,14 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
                     P())
 
 
+def _check_same_layout(params: Any, layout: Layout) -> None:
+  """`assert_same_layout`, except under ``jax.eval_shape(dp.init, ...)``: nothing runs
+  there and the processes cannot exchange fingerprints (a restore checks that shape
+  against the checkpoint's fingerprint instead)."""
+  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+    assert_same_layout(layout)
+
+
 def _check_model_state(model_state: Any, has_state: bool) -> None:
   if has_state and model_state is None:
     raise TypeError("data_parallel(..., has_state=True) carries a model state: pass its "
@@ -418,7 +426,7 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
 
   def init(params, model_state=None):
     _check_model_state(model_state, has_state)
-    assert_same_layout(layout)
+    _check_same_layout(params, layout)
     flatten_like(params, layout)
     def stack(x):  # a tracer when init itself is traced (jax.eval_shape, jit)
       if isinstance(x, jax.core.Tracer):

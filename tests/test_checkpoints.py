@@ -10,6 +10,7 @@ whose only checkpoint was never finished. The 8 CPU devices come from conftest.p
 import doctest
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,6 +227,75 @@ def test_model_state_is_carried(tmp_path):
     jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp.init, params0()))
 
 
+
+class BatchNormNet(nn.Module):
+  """Synchronised BatchNorm (over ``axis_name``): its batch_stats are those of the whole
+  batch, whatever the device count, so a run can move to another one."""
+  axis_name: str | None = "batch"
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.BatchNorm(use_running_average=False, axis_name=self.axis_name, momentum=0.9)(
+        nn.Dense(8, use_bias=False)(x))
+    return nn.Dense(3)(nn.relu(x))
+
+
+def batch_norm_loss(model):
+  def loss(params, batch_stats, batch):
+    x, y = batch
+    out, new = model.apply({"params": params, "batch_stats": batch_stats}, x,
+                           mutable=["batch_stats"])
+    return jnp.mean((out - y) ** 2), new["batch_stats"]
+  return loss
+
+
+def test_a_batch_norm_state_moves_from_sharded_on_8_to_packed_on_4(tmp_path):
+  variables = BatchNormNet().init(jax.random.key(0), jnp.zeros((2, 6)))
+  params, stats = variables["params"], variables["batch_stats"]
+
+  def make_bn(mode, n):
+    return jpack.data_parallel(batch_norm_loss(BatchNormNet()), optax.adam(1e-2), params,
+                               mesh_of(n), mode=mode, has_state=True)
+
+  dp8, dp4 = make_bn("sharded", 8), make_bn("packed", 4)
+  state = train(dp8, dp8.init(params, stats), 0, 3)
+  # Host copies taken before any further step donates the buffers.
+  saved_stats = jax.tree.map(np.array, state.model_state)
+  saved = saved_tree(dp8, state)
+  save(tmp_path, dp8, state, 3)
+  restored, _ = jpack.optax.restore_checkpoint(
+      tmp_path, jax.eval_shape(dp4.init, params, stats))
+  assert restored.opt_state[1].inner_state[0].mu[0].shape == (dp4.layout.buckets[0].size,)
+  assert_bits_equal(restored.model_state, saved_stats)
+  assert_bits_equal(saved_tree(dp4, restored), saved)
+  # Restored onto the run that saved it, it goes on bit for bit as if never stopped.
+  again, _ = jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp8.init, params, stats))
+  again = train(dp8, again, 3, 5)
+  resumed, uninterrupted = train(dp4, restored, 3, 5), train(dp8, state, 3, 5)
+  assert_bits_equal(saved_tree(dp8, again), saved_tree(dp8, uninterrupted))
+  assert_bits_equal(again.model_state, uninterrupted.model_state)
+  # On 4 devices, packed, it goes on where the sharded run on 8 does (up to float sums).
+  assert_close(saved_tree(dp4, resumed), saved_tree(dp8, uninterrupted))
+  assert_close(resumed.model_state, uninterrupted.model_state)
+  # And where plain Flax + optax does on one device (BatchNorm over the whole batch).
+  loss, tx = batch_norm_loss(BatchNormNet(None)), optax.adam(1e-2)
+
+  @jax.jit  # one compile instead of hundreds of eager ops
+  def ref_step(ref, batch):
+    ref_params, ref_stats, ref_opt = ref
+    grads, ref_stats = jax.grad(loss, has_aux=True)(ref_params, ref_stats, batch)
+    updates, ref_opt = tx.update(grads, ref_opt, ref_params)
+    return optax.apply_updates(ref_params, updates), ref_stats, ref_opt
+
+  ref = (params, stats, tx.init(params))
+  for step in range(5):
+    ref = ref_step(ref, batch_at(step))
+  ref_params, ref_stats, ref_opt = ref
+  assert_close(dp4.params(resumed), ref_params, tol=1e-4)
+  assert_close(resumed.model_state, ref_stats, tol=1e-4)
+  assert_close(saved_tree(dp4, resumed)["opt_state"], ref_opt, tol=1e-4)
+
+
 def test_a_raw_key_and_the_latest_of_several_steps(tmp_path):
   dp = make("packed")
   state = dp.init(params0())
@@ -244,6 +314,21 @@ def test_a_raw_key_and_the_latest_of_several_steps(tmp_path):
     # A real state works as `like` too (its values are not used).
     older, _ = jpack.optax.restore_checkpoint(manager, dp.init(params0()), step=4)
     assert int(older.step) == 4
+
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_a_donated_state_works_as_like(mode, tmp_path):
+  # Its values are never read: a state whose buffers a step has donated gives the
+  # structure, shapes and dtypes only (on several processes `like` is a real state).
+  dp = make(mode)
+  state = train(dp, dp.init(params0()), 0, 2)
+  save(tmp_path, dp, state, 2)
+  like = dp.init(params0())
+  dp.step(like, batch_at(0))
+  assert all(x.is_deleted() for x in like.params.buckets)
+  restored, _ = jpack.optax.restore_checkpoint(tmp_path, like)
+  assert_bits_equal(saved_tree(dp, restored), saved_tree(dp, state))
 
 
 def test_save_checkpoint_refuses_a_step_that_is_not_the_states(tmp_path):

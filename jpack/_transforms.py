@@ -67,7 +67,8 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
       packed = pack(updates, **{"num_shards": axis_size(axis_name), **plan_options})
     options = {"allow_int": allow_int} if mean else {}
     if grad_norm and _norm_on_slices(packed.layout, axis_name, mean, method):
-      reduced, norm = _pmean_and_norm(packed, axis_name, comm_dtype)
+      reduced, norm = _pmean_and_norm(packed, axis_name, comm_dtype,
+                                      value_scalars(extra_args.get("value")))
       state = AllReduceState(norm)
     else:
       reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
@@ -86,7 +87,8 @@ def _norm_on_slices(layout: Layout, axis_name: Any, mean: bool, method: str) -> 
       b.size % n == 0 and jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets)
 
 
-def _pmean_and_norm(packed: Packed, axis_name: Any, comm_dtype: Any) -> tuple[Packed, jax.Array]:
+def _pmean_and_norm(packed: Packed, axis_name: Any, comm_dtype: Any,
+                    value: list[jax.Array]) -> tuple[Packed, jax.Array]:
   """`jpack.pmean` of ``packed`` and the global norm of the result.
 
   On CPU the mean is a reduce-scatter and an all-gather anyway, and the devices share
@@ -100,7 +102,9 @@ def _pmean_and_norm(packed: Packed, axis_name: Any, comm_dtype: Any) -> tuple[Pa
 
   def on_slices(p):
     shards = reduce_scatter(p, axis_name, mean=True, comm_dtype=comm_dtype)
-    norm = jnp.sqrt(lax.psum(sum_of_squares(shards.buckets), axis_name))
+    # After the loss (``value``): XLA would otherwise combine the loss's all-reduce with
+    # this one, and an update ordered after the loss would wait for every bucket.
+    norm = jnp.sqrt(lax.psum(after(sum_of_squares(shards.buckets), *value), axis_name))
     return all_gather(shards, axis_name), norm
 
   return cpu.choose(on_slices, plain, packed)
@@ -123,9 +127,9 @@ def after(tree: Any, *scalars: jax.Array) -> Any:
   pass still reads that layer's weights (and a loss metric nothing else needs may read
   any). XLA may then schedule the update of a donated parameter bucket before those
   reads, and it guards every such bucket with a full copy per step (MLP 24x1024: 23
-  copies of 4 MiB per device). Making every gradient depend on scalars that depend on
-  all gradients (the gradient norm, the loss) orders the updates after the backward
-  pass, and the copies go. ``s > inf`` is false for every value, NaN included, and
+  copies of 4 MiB per device). Making a gradient depend on a scalar the backward pass
+  computes later (the gradient norm, the next bucket's gradient) orders its update after
+  those reads, and the copies go. ``s > inf`` is false for every value, NaN included, and
   ``x - 0.0`` is exactly ``x`` (``-0.0`` too), so no value changes (a signalling NaN
   comes out quiet, still NaN).
   """
@@ -139,10 +143,32 @@ def after(tree: Any, *scalars: jax.Array) -> Any:
   return jax.tree.map(depend, tree)
 
 
-def after_all(tree: Any, *scalars: jax.Array) -> Any:
-  """`after` every array of ``tree`` and ``scalars``: each array depends on one element
-  of every other."""
-  return after(tree, *firsts(tree), *scalars)
+# How many neighbouring buckets' gradients each bucket's update waits for: enough that
+# the backward pass is past the bucket's params (a layer's weight and bias may sit in
+# neighbouring buckets and be computed together), few enough that only a handful of
+# reduced buckets are alive at once.
+AHEAD, BEHIND = 2, 1
+
+
+def after_neighbours(buckets: tuple[Any, ...]) -> list[Any]:
+  """Each bucket `after` one element of the gradients of its neighbours: the next
+  ``AHEAD`` buckets and the previous ``BEHIND``.
+
+  Buckets are in backward-ready order, so the next buckets' gradients are computed after
+  this bucket's params were last read by the backward pass, and its update can overwrite
+  them in place (no copy of a donated bucket). Ordering every update after every bucket
+  does that for any model, but keeps every reduced bucket alive until the last one is
+  reduced: a temporary the size of the gradient, which XLA:CPU maps fresh on every step
+  (see docs/performance.md). Where a model reads a bucket's params later than its
+  neighbours' gradients, XLA copies that bucket: slower, never wrong.
+  """
+  out = list(buckets)
+  chained = [i for i, b in enumerate(buckets) if firsts(b)]  # floating, non-empty
+  for k, i in enumerate(chained):
+    near = chained[max(k - BEHIND, 0):k] + chained[k + 1:k + 1 + AHEAD]
+    if near:
+      out[i] = after(buckets[i], *(h for j in near for h in firsts(buckets[j])))
+  return out
 
 
 def firsts(tree: Any) -> list[jax.Array]:
@@ -254,9 +280,10 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
     was_packed = isinstance(updates, Packed)
     masters = None if state.master is None else layout_of_masters(state)
     packed = pack_like(updates, layout, "updates", masters=masters)
-    # Computed after every bucket and the loss: no copies of donated params.
-    packed = after_all(packed if masters is None else as_layout(packed, masters),
-                       *value_scalars(extra_args.get("value")))
+    # After the loss and the neighbouring buckets' gradients: no copies of donated params.
+    packed = packed if masters is None else as_layout(packed, masters)
+    packed = Packed(tuple(after(b, *value_scalars(extra_args.get("value")))
+                          for b in after_neighbours(packed.buckets)), packed.layout)
     flat_params = None if params is None else pack_like(params, layout, "params").buckets
     new, inner_state, master = update_buckets(labelled(inner, layout), packed.buckets, state,
                                               flat_params, extra_args)

@@ -56,40 +56,81 @@ class Loop:
   bytes: int               # the size of the last checkpoint on disk (0: none)
 
 
-def _run_loop(dp: Any, state: Any, batch: Any, steps: int, variant: str,
-              directory: pathlib.Path) -> tuple[Any, Loop]:
-  import jax
+@dataclasses.dataclass(frozen=True)
+class EveryFrom:
+  """An Orbax save decision policy: save at step ``start`` and every `EVERY` steps after
+  it (``FixedIntervalPolicy(EVERY)`` saves at the multiples of `EVERY`). The step
+  benchmark saves on the first step of each timed block with it, so that the write runs
+  beside the block's next steps, as it would beside the next steps of a training loop."""
+  start: int
+
+  def should_save(self, step: Any, previous_steps: Any = (), *, context: Any = None) -> bool:
+    del previous_steps, context
+    return step.step >= self.start and (step.step - self.start) % EVERY == 0
+
+
+def make_manager(directory: pathlib.Path, *, asynchronous: bool = True,
+                 policy: Any = None) -> Any:
+  """An Orbax ``CheckpointManager`` saving every `EVERY` steps (or by ``policy``), keeping
+  the latest two checkpoints."""
   import orbax.checkpoint as ocp
+
+  options = ocp.CheckpointManagerOptions(
+      save_decision_policy=policy or ocp.checkpoint_managers.FixedIntervalPolicy(EVERY),
+      preservation_policy=ocp.checkpoint_managers.LatestN(2),
+      enable_async_checkpointing=asynchronous)
+  return ocp.CheckpointManager(directory, options=options)
+
+
+def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
+              manager: Any = None) -> tuple[Any, Any, list[float]]:
+  """``steps`` calls of ``step_fn(state, batch)`` from step count ``start``; with a
+  ``manager``, ``jpack.optax.save_checkpoint`` after every step its policy saves.
+
+  Returns the state, the last step's metrics, and how long each call that saved blocked
+  the loop. A save copies the values: it waits for the steps still queued. That wait is
+  the loop's (in its time), not the call's: the steps are waited for before the call is
+  timed. Nothing waits for the last steps or for the writes: the caller decides."""
+  import jax
 
   import jpack
 
-  start = int(state.step)
-  manager = None
-  if variant != "none":
-    options = ocp.CheckpointManagerOptions(
-        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(EVERY),
-        preservation_policy=ocp.checkpoint_managers.LatestN(2),
-        enable_async_checkpointing=variant == "async")
-    manager = ocp.CheckpointManager(directory, options=options)
   calls = []
-  t0 = time.perf_counter()
+  metrics = None
   for step in range(start, start + steps):
-    state, metrics = dp.step(state, batch)
+    state, metrics = step_fn(state, batch)
     if manager is not None and manager.should_save(step + 1):
-      # A save copies the values: it waits for the steps still queued. That wait is
-      # the loop's (counted in its time), not the save call's.
       jax.block_until_ready(state)
       t = time.perf_counter()
       assert jpack.optax.save_checkpoint(manager, step + 1, state)
       calls.append(time.perf_counter() - t)
+  return state, metrics, calls
+
+
+def checkpoint_bytes(manager: Any) -> int:
+  """The size on disk of ``manager``'s latest checkpoint (0: none)."""
+  step = manager.latest_step()
+  if step is None:
+    return 0
+  latest = pathlib.Path(manager.directory) / str(step)
+  return sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
+
+
+def _run_loop(dp: Any, state: Any, batch: Any, steps: int, variant: str,
+              directory: pathlib.Path) -> tuple[Any, Loop]:
+  import jax
+
+  manager = (None if variant == "none"
+             else make_manager(directory, asynchronous=variant == "async"))
+  t0 = time.perf_counter()
+  state, metrics, calls = run_steps(dp.step, state, batch, int(state.step), steps, manager)
   jax.block_until_ready(metrics["loss"])
   seconds = time.perf_counter() - t0
   t = time.perf_counter()
   size = 0
   if manager is not None:
     manager.wait_until_finished()
-    latest = directory / str(manager.latest_step())
-    size = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
+    size = checkpoint_bytes(manager)
     manager.close()
   return state, Loop(seconds, calls, time.perf_counter() - t, size)
 

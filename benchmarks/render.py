@@ -144,9 +144,10 @@ def _speedup(base: Row | None, row: Row) -> str:
 # -- renderers --------------------------------------------------------------------------
 
 # The step table's columns, as performance.md shows them (the benchmark also prints its
-# own targets, which are not figures for users).
-STEP_COLUMNS = ("variant", "step ms", "speed-up", "compile s", "collectives", "coll. bytes",
-                "opt state/dev", "max |Δp| vs per-leaf")
+# own targets, which are not figures for users). "vs no saves" (the checkpoint rows) shows
+# only where the results have it.
+STEP_COLUMNS = ("variant", "step ms", "speed-up", "vs no saves", "compile s", "collectives",
+                "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf")
 # README rows: (step key, label, the jax.jit baseline it is compared with).
 README_ROWS = (
     ("packed", 'jpack `mode="packed"`', "jit"),

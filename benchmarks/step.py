@@ -48,6 +48,20 @@ Gradient accumulation over 4 micro-batches (each device's rows of the batch, spl
   sharded, acc=4 ZeRO-2  ``mode="sharded", accumulate=4, accumulator="sharded"``: every
                          micro-step's gradients reduce-scattered into a 1/N accumulator
 
+Checkpoints: the packed and the sharded step with an asynchronous Orbax checkpoint
+every 10 steps (``jpack.optax.save_checkpoint`` after every step, a ``CheckpointManager``
+saving every 10th; benchmarks/checkpoint.py's loop), timed in the same run as the rows
+without saves; "vs no saves" is the row's step time over the same mode's without saves
+(median over blocks of the block-by-block ratio):
+
+  packed, async save every 10    ``mode="packed"``
+  sharded, async save every 10   ``mode="sharded"``
+
+Every block of these rows saves after its first step and waits for the write at its end
+(inside the block's time: the write runs beside the block's other 9 steps, or holds the
+loop up); with them, blocks are rounded up to a multiple of 10 steps for every variant.
+On CPU devices the background write shares the host's cores with the steps.
+
 And bounds, which are not adam steps:
 
   grads only    loss + gradients, no collective, no update. Every step does at least
@@ -73,15 +87,19 @@ sanity check: every adam variant is the same optimizer, with the same updates).
     python -m benchmarks step --quick          # mlp_40x256 only, fewer steps
     python -m benchmarks step --models mlp_400x32 --markdown step.md
     python -m benchmarks step --models resnet50   # ResNet-50 shapes, no compute to hide copies
+    python -m benchmarks step --quick --variants packed,sharded,packed_save10,sharded_save10
+                                               # the checkpoint rows and theirs without saves
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -95,6 +113,7 @@ from jax.sharding import PartitionSpec as P
 
 import jpack
 from benchmarks import _common as c
+from benchmarks import checkpoint as ckpt
 
 NUM_DEVICES = 8
 AXIS = "batch"
@@ -129,6 +148,8 @@ VARIANTS = {
     "grad_only": "bound: grads only",
     "packed_grad_only": "bound: packed grads only",
     "sharded_sgd": "bound: ZeRO-1 with sgd",
+    "packed_save10": f"jpack packed, async save every {ckpt.EVERY}",
+    "sharded_save10": f"jpack sharded, async save every {ckpt.EVERY}",
 }
 ACCUMULATE = 4  # micro-batches per step of the accumulation rows
 MULTISTEPS = "per_leaf_multisteps4"  # their baseline
@@ -156,7 +177,12 @@ DATA_PARALLEL = {
     "sharded_acc4_zero2": JpackVariant("sharded", accumulate=ACCUMULATE,
                                        accumulator="sharded"),
     "sharded_sgd": JpackVariant("sharded", optimizer=optax.sgd),
+    "packed_save10": JpackVariant("packed"),
+    "sharded_save10": JpackVariant("sharded"),
 }
+# Variants that save a checkpoint every ckpt.EVERY steps, and the variant each is timed
+# against: the same step without saves.
+SAVING = {"packed_save10": "packed", "sharded_save10": "sharded"}
 # Variants that are not adam, or not a step: no parameter comparison with per-leaf.
 NOT_COMPARABLE = ("per_leaf", "grad_only", "packed_grad_only", "sharded_sgd")
 # Variants whose params are bf16: their difference from per-leaf is the rounding's.
@@ -534,6 +560,7 @@ class Result:
   state_bytes: int      # params + optimizer state (masters included), per device
   params: Any  # final params, host numpy tree
   loss: float
+  saves: _Saves | None = None  # the checkpoint rows'
 
 
 def _bytes_per_device(tree: Any) -> int:
@@ -602,25 +629,57 @@ class _Prepared:
   state: Any
   batches: list[Any]  # what one step calls the compiled step on, in order
   times: list[float]
+  saves: _Saves | None = None  # the checkpoint rows' (`SAVING`)
 
 
-def _prepare(model: Model, key: str, mesh, batch, plan_options: dict) -> _Prepared:
+@dataclasses.dataclass
+class _Saves:
+  """A checkpoint row's Orbax manager and what its saves took."""
+  manager: Any
+  count: int  # the state's step count
+  calls: list[float] = dataclasses.field(default_factory=list)  # each saving call's block
+  waits: list[float] = dataclasses.field(default_factory=list)  # each block's final wait
+  bytes: int = 0  # the latest checkpoint's size on disk
+
+
+def _prepare(model: Model, key: str, mesh, batch, plan_options: dict,
+             directory: Any = None) -> _Prepared:
   step = build(key, model, mesh, plan_options)
   batches = _micro_batches(batch, getattr(step, "calls", 1), mesh.shape[AXIS])
   state = jax.block_until_ready(step.init(model.params))
   compiled = c.compile_fn(step.step, state, batches[0], jit_kwargs={"donate_argnums": 0})
   for b in batches:  # warm-up: one whole step, so every variant takes as many updates
     state, _ = compiled.fn(state, b)
-  return _Prepared(key, step, compiled, jax.block_until_ready(state), batches, [])
+  state = jax.block_until_ready(state)
+  saves = None
+  if key in SAVING:
+    count = int(state.step)
+    # Saves after the first step of every block (`_time_block`), and one now to warm up
+    # Orbax (its threads, the directory) outside the timed blocks.
+    manager = ckpt.make_manager(directory / key, policy=ckpt.EveryFrom(count + 1))
+    assert jpack.optax.save_checkpoint(manager, count, state, force=True)
+    manager.wait_until_finished()
+    saves = _Saves(manager, count)
+  return _Prepared(key, step, compiled, state, batches, [], saves)
 
 
 def _time_block(p: _Prepared, steps: int) -> Any:
   state = p.state
   t0 = time.perf_counter()
-  for _ in range(steps):
-    for b in p.batches:
-      state, metrics = p.compiled.fn(state, b)
-  jax.block_until_ready(state)
+  if p.saves is None:
+    for _ in range(steps):
+      for b in p.batches:
+        state, metrics = p.compiled.fn(state, b)
+    jax.block_until_ready(state)
+  else:  # benchmarks/checkpoint.py's loop, and the wait for the block's last write
+    state, metrics, calls = ckpt.run_steps(p.compiled.fn, state, p.batches[0],
+                                           p.saves.count, steps, p.saves.manager)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    p.saves.manager.wait_until_finished()
+    p.saves.waits.append(time.perf_counter() - t)
+    p.saves.calls += calls
+    p.saves.count += steps
   p.times.append((time.perf_counter() - t0) / steps)
   p.state = state
   return metrics
@@ -628,11 +687,15 @@ def _time_block(p: _Prepared, steps: int) -> Any:
 
 def _result(p: _Prepared, metrics: dict) -> Result:
   text = p.compiled.text()
+  if p.saves is not None:
+    p.saves.bytes = ckpt.checkpoint_bytes(p.saves.manager)
+    p.saves.manager.close()
   return Result(p.key, p.compiled, statistics.median(p.times), p.times,
                 c.count_collectives(text), loop_collectives(text), len(p.batches),
                 _bytes_per_device(p.state.opt_state),
                 _bytes_per_device((p.state.params, p.state.opt_state)),
-                jax.tree.map(np.asarray, p.step.params(p.state)), float(metrics["loss"]))
+                jax.tree.map(np.asarray, p.step.params(p.state)), float(metrics["loss"]),
+                p.saves)
 
 
 def _measure(model: Model, keys: list[str], mesh, batch, *, steps: int, blocks: int,
@@ -640,19 +703,21 @@ def _measure(model: Model, keys: list[str], mesh, batch, *, steps: int, blocks: 
   """Compile every variant, then time them round-robin, block by block.
 
   Interleaving spreads slow phases of a shared machine over all variants instead of
-  charging them to whichever happened to run then: the ratios are what matters.
+  charging them to whichever happened to run then: the ratios are what matters. The
+  checkpoint rows write into a temporary directory, removed at the end.
   """
-  prepared = {}
-  for key in keys:
-    print(f"   {VARIANTS[key]} ...", end="", flush=True)
-    prepared[key] = p = _prepare(model, key, mesh, batch, plan_options)
-    c.release_host_memory()
-    print(f" compile {c.fmt_s(p.compiled.total_s)} s", flush=True)
-  metrics = {}
-  for _ in range(blocks):
-    for key, p in prepared.items():
-      metrics[key] = _time_block(p, steps)
-  return {key: _result(p, metrics[key]) for key, p in prepared.items()}
+  with tempfile.TemporaryDirectory(prefix="jpack-step-bench-") as tmp:
+    prepared = {}
+    for key in keys:
+      print(f"   {VARIANTS[key]} ...", end="", flush=True)
+      prepared[key] = p = _prepare(model, key, mesh, batch, plan_options, pathlib.Path(tmp))
+      c.release_host_memory()
+      print(f" compile {c.fmt_s(p.compiled.total_s)} s", flush=True)
+    metrics = {}
+    for _ in range(blocks):
+      for key, p in prepared.items():
+        metrics[key] = _time_block(p, steps)
+    return {key: _result(p, metrics[key]) for key, p in prepared.items()}
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -705,6 +770,22 @@ def _accumulate(key: str) -> int:
       DATA_PARALLEL[key].accumulate if key in DATA_PARALLEL else 1)
 
 
+def _saving_values(r: Result, plain: Result | None) -> dict[str, Any]:
+  """A checkpoint row's figures (None for the other rows): its step time over the same
+  mode's without saves, the median over blocks of the ratio in the same round."""
+  if r.saves is None:
+    return {"vs_no_saves": None, "save_call_s": None, "save_wait_s": None,
+            "saves": 0, "checkpoint_bytes": None, "no_saves_key": None}
+  ratio = None
+  if plain is not None and len(plain.block_s) == len(r.block_s):
+    ratio = statistics.median(a / b for a, b in zip(r.block_s, plain.block_s))
+  return {"vs_no_saves": ratio,
+          "save_call_s": statistics.median(r.saves.calls) if r.saves.calls else None,
+          "save_wait_s": statistics.median(r.saves.waits) if r.saves.waits else None,
+          "saves": len(r.saves.calls), "checkpoint_bytes": r.saves.bytes,
+          "no_saves_key": plain and plain.key}
+
+
 def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: int,
                 blocks: int, per_device_batch: int = PER_DEVICE_BATCH,
                 plan_options: dict | None = None,
@@ -724,14 +805,16 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
   base, floor = results.get("per_leaf"), results.get(FLOOR)
   multi = results.get(MULTISTEPS)
   table = c.Table(["variant", "compile s", "step ms", "speed-up", "vs MultiSteps",
-                   "gap closed", "goal", "collectives", "coll. bytes", "opt state/dev",
-                   "params+opt/dev", "max |Δp| vs per-leaf"],
+                   "gap closed", "vs no saves", "save call ms", "goal", "collectives",
+                   "coll. bytes", "opt state/dev", "params+opt/dev", "max |Δp| vs per-leaf"],
                   title=f"{model.describe} ({model.num_leaves} leaves, "
                         f"{model.num_params / 1e6:.2f} M params), adam, {num_devices} devices")
   for key, r in results.items():
     speedup = c.ratio(base.step_s, r.step_s) if base else None
     vs_multi = c.ratio(multi.step_s, r.step_s) if multi and key in ACCUMULATING else None
-    closed = gap_closed(base and base.step_s, r.step_s, floor and floor.step_s)
+    closed = (None if key in SAVING else
+              gap_closed(base and base.step_s, r.step_s, floor and floor.step_s))
+    saving = _saving_values(r, results.get(SAVING.get(key)))
     goal = GOALS.get((model.name, key))
     verdict = "" if goal is None or speedup is None else (
         f">={goal:g}x {c.verdict(speedup >= goal)}")
@@ -741,7 +824,8 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
                   if multi and key in ACCUMULATING and key != MULTISTEPS else None)
     coll_bytes = sum(r.colls.result_bytes.values())
     table.add(VARIANTS[key], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
-              c.fmt_ratio(speedup), c.fmt_ratio(vs_multi), _fmt_share(closed), verdict,
+              c.fmt_ratio(speedup), c.fmt_ratio(vs_multi), _fmt_share(closed),
+              c.fmt_ratio(saving["vs_no_saves"]), c.fmt_ms(saving["save_call_s"]), verdict,
               _collectives_cell(r), c.human_bytes(coll_bytes) if coll_bytes else "-",
               c.human_bytes(r.opt_bytes), _state_cell(r.state_bytes, model.num_params),
               _diff_cell(key, diff),
@@ -757,7 +841,7 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
               opt_state_bytes=r.opt_bytes, state_bytes_per_device=r.state_bytes,
               state_bytes_per_param=r.state_bytes / model.num_params,
               max_param_diff_vs_per_leaf=diff, max_param_diff_vs_multisteps=diff_multi,
-              final_loss=r.loss)
+              final_loss=r.loss, **saving)
   report.table(table)
   return results
 
@@ -770,12 +854,14 @@ def _parser() -> argparse.ArgumentParser:
                            f"(default: {', '.join(DEFAULT_MODELS)})")
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help=f"comma-separated subset of {', '.join(VARIANTS)}")
-  parser.add_argument("--quick", action="store_true", help="mlp_40x256 only, 3 x 5 steps")
+  parser.add_argument("--quick", action="store_true",
+                      help="mlp_40x256 only, 3 x 5 steps (3 x 10 with the checkpoint rows)")
   parser.add_argument("--devices", type=c.positive_int, default=NUM_DEVICES,
                       help=f"devices on the data-parallel axis (default {NUM_DEVICES}; CPU "
                            "devices are simulated, other platforms use the first N)")
   parser.add_argument("--steps", type=c.positive_int, default=None,
-                      help="steps per timed block (default 10)")
+                      help="steps per timed block (default 10; rounded up to a multiple of "
+                           f"{ckpt.EVERY} with the checkpoint rows)")
   parser.add_argument("--blocks", type=c.positive_int, default=None,
                       help="timed blocks (median; default 5)")
   parser.add_argument("--batch", type=c.positive_int, default=PER_DEVICE_BATCH,
@@ -804,6 +890,28 @@ def _with_accumulation(variants: list[str], per_device_batch: int, *, explicit: 
   return [v for v in variants if v not in ACCUMULATING]
 
 
+def _with_saving(variants: list[str], steps: int) -> tuple[list[str], int]:
+  """With checkpoint rows: each one's variant without saves (added if not chosen, to be
+  compared with), and steps per block rounded up to whole save intervals."""
+  saving = [v for v in variants if v in SAVING]
+  if not saving:
+    return variants, steps
+  missing = list(dict.fromkeys(SAVING[v] for v in saving if SAVING[v] not in variants))
+  if missing:
+    print(f"(adding {', '.join(missing)}: the checkpoint rows are compared with them)")
+    out: list[str] = []
+    for v in variants:
+      if v in SAVING and SAVING[v] not in variants and SAVING[v] not in out:
+        out.append(SAVING[v])
+      out.append(v)
+    variants = out
+  rounded = -(-steps // ckpt.EVERY) * ckpt.EVERY
+  if rounded != steps:
+    print(f"(blocks of {rounded} steps, not {steps}: the checkpoint rows save every "
+          f"{ckpt.EVERY} steps)")
+  return variants, rounded
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = _parser()
@@ -825,6 +933,7 @@ def main(argv: list[str] | None = None) -> int:
   c.require_devices(args.devices)
   steps = args.steps or (5 if args.quick else 10)
   blocks = args.blocks or (3 if args.quick else 5)
+  variants, steps = _with_saving(variants, steps)
 
   plan_options = {}
   if args.bucket_bytes is not None:
@@ -860,6 +969,13 @@ def main(argv: list[str] | None = None) -> int:
               "rounding. params+opt/dev: bytes of params + optimizer state (masters and "
               "moments) on one device, and in units of Ψ, the parameter count: f32 "
               "replicated adam is 12Ψ, ZeRO-1 with bf16 params about 2Ψ + 12Ψ/N.")
+  report.text(f"Checkpoint rows: jpack.optax.save_checkpoint after every step, an Orbax "
+              f"CheckpointManager saving every {ckpt.EVERY}th asynchronously; each block "
+              f"saves after its first step and waits for the write at its end (in its "
+              f"time). vs no saves = the row's block time over the same mode's without "
+              f"saves in the same round (median over blocks). save call ms = how long a "
+              f"saving call holds the loop up once the queued steps are done. On CPU "
+              f"devices the write shares the host's cores with the steps.")
   report.text(f"Accumulation: {ACCUMULATE} micro-batches per step, one adam update of the "
               f"whole batch. vs MultiSteps = per-leaf + optax.MultiSteps step time / variant "
               f"step time: MultiSteps all-reduces every gradient leaf on every micro-step, "

@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,13 @@ def gather_state(opt_state: Any) -> Any:
     >>> jpack.optax.gather_state(state)[0].mu["w"].shape    # state: a bucket of 128
     (2, 3)
   """
-  return jax.tree.map(_gather_any, opt_state, is_leaf=_is_node)
+  return _gather(opt_state, _to_host)
+
+
+def _gather(opt_state: Any, host: Callable[[Any], np.ndarray]) -> Any:
+  """`gather_state`, taking each array to the host with ``host``."""
+  return jax.tree.map(lambda x: _gather_node(x, host) if _is_node(x) else _host_leaf(x, host),
+                      opt_state, is_leaf=_is_node)
 
 
 def scatter_state(tree_state: Any, like: Any) -> Any:
@@ -152,16 +158,12 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def _gather_any(x: Any) -> Any:
-  return _gather_node(x) if _is_node(x) else _host_leaf(x)
-
-
-def _host_leaf(x: Any) -> Any:
+def _host_leaf(x: Any, host: Callable[[Any], np.ndarray] | None = None) -> Any:
   if _is_abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
   if _is_key(x):  # a typed PRNG key has no numpy form: kept as it is
     return x
-  return _to_host(x)
+  return (host or _to_host)(x)
 
 
 def _to_host(x: Any) -> np.ndarray:
@@ -175,6 +177,18 @@ def _to_host(x: Any) -> np.ndarray:
   return np.array(x)
 
 
+def _host_view(x: Any) -> np.ndarray:
+  """The value of an array on this process as a numpy array that may share memory with
+  its device buffer (CPU devices: a fully replicated array is not copied; otherwise the
+  array that JAX copies it to the host into, not copied again). Only for what is copied
+  at once: `save_checkpoint` concatenates the leaves of the saved form into new flat
+  arrays. Scalars (kept apart, not concatenated) and arrays of several processes are
+  copied, as `_to_host` does."""
+  if isinstance(x, jax.Array) and x.is_fully_addressable and x.ndim:
+    return np.asarray(x)
+  return _to_host(x)
+
+
 def _is_bucket_tuple(x: Any, sizes: tuple[int, ...]) -> bool:
   """A node of a `FlatState`'s or `ShardedState`'s inner state holding one array per
   bucket (with labels, `optax.MaskedNode` stands for other labels' buckets)."""
@@ -183,7 +197,8 @@ def _is_bucket_tuple(x: Any, sizes: tuple[int, ...]) -> bool:
       for a, s in zip(x, sizes)))
 
 
-def _gather_node(state: FlatState | ShardedState) -> Any:
+def _gather_node(state: FlatState | ShardedState,
+                 host: Callable[[Any], np.ndarray] = _to_host) -> Any:
   """One `FlatState` / `ShardedState` as its inner optimizer's state on the tree."""
   layout = state.layout
   sizes = tuple(b.size for b in layout.buckets)
@@ -194,9 +209,9 @@ def _gather_node(state: FlatState | ShardedState) -> Any:
     if _is_masked(x):
       return x
     if not is_buckets(x):
-      return _host_leaf(x)
+      return _host_leaf(x, host)
     found.append(x)
-    return _buckets_to_tree(x, layout)
+    return _buckets_to_tree(x, layout, host)
 
   out = jax.tree.map(convert, state.inner_state,
                      is_leaf=lambda x: is_buckets(x) or _is_masked(x))
@@ -213,7 +228,8 @@ def _gather_node(state: FlatState | ShardedState) -> Any:
   return {"inner_state": out, "master": convert(tuple(state.master))}
 
 
-def _buckets_to_tree(x: tuple[Any, ...], layout: Layout) -> Any:
+def _buckets_to_tree(x: tuple[Any, ...], layout: Layout,
+                     host: Callable[[Any], np.ndarray] = _to_host) -> Any:
   """A tuple of state buckets as a params-shaped tree. With labels, optax.multi_transform
   gives each label's state MaskedNode() in place of the other labels' buckets; on the
   full tree it has MaskedNode() for their leaves."""
@@ -226,7 +242,7 @@ def _buckets_to_tree(x: tuple[Any, ...], layout: Layout) -> Any:
       same = np.dtype(bucket.dtype) == layout.buckets[slot.bucket].dtype
       return jax.ShapeDtypeStruct(slot.shape, slot.dtype if same else bucket.dtype)
     return layout.treedef.unflatten([leaf(s) for s in layout.slots])
-  buckets = tuple(None if _is_masked(a) else _to_host(a) for a in x)
+  buckets = tuple(None if _is_masked(a) else host(a) for a in x)
   return layout.treedef.unflatten(
       optax.MaskedNode() if buckets[slot.bucket] is None else _host_leaf_of(buckets, slot)
       for slot in layout.slots)
@@ -430,7 +446,11 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
   if not force and not manager.should_save(step):
     return False
   ocp = _orbax()
-  saved = _saved_form(state, key)
+  # The trees as views of the state's buffers where JAX gives them (CPU devices), or
+  # of JAX's host copies: _flat_form's concatenation is then jpack's one copy on the
+  # host (Orbax makes its own), and no view outlives this call, so the next step may
+  # donate the buffers.
+  saved = _saved_form(state, key, _host_view)
   if int(saved["step"]) != step:
     raise ValueError(f"save_checkpoint was asked to save step {step}, but the state has "
                      f"taken {int(saved['step'])} steps: pass the loop's count of "
@@ -523,14 +543,14 @@ def _orbax() -> Any:
   return ocp
 
 
-def _params_tree(params: Any) -> Any:
+def _params_tree(params: Any, host: Callable[[Any], np.ndarray] = _to_host) -> Any:
   """The params as a tree of host arrays (abstract params: of `jax.ShapeDtypeStruct`)."""
   if not isinstance(params, Packed):
-    return jax.tree.map(_host_leaf, params)
+    return jax.tree.map(lambda x: _host_leaf(x, host), params)
   if any(_is_abstract(b) for b in params.buckets):
     return params.layout.shapes()
-  # One copy per bucket; the leaves are views of these copies.
-  buckets = tuple(_to_host(b) for b in params.buckets)
+  # One host array per bucket; the leaves are views of these.
+  buckets = tuple(host(b) for b in params.buckets)
   return params.layout.treedef.unflatten(_host_leaf_of(buckets, s)
                                          for s in params.layout.slots)
 
@@ -550,16 +570,19 @@ def _is_allreduce_chain(x: Any) -> bool:
           and isinstance(x[0], (AllReduceState, optax.EmptyState)))
 
 
-def _saved_form(state: Any, key: Any) -> dict[str, Any]:
-  """What `save_checkpoint` saves: host copies, the same in every mode."""
-  saved = {"params": _params_tree(state.params),
-           "opt_state": gather_state(_optimizer_part(state.opt_state)),
+def _saved_form(state: Any, key: Any, host: Callable[[Any], np.ndarray] = _to_host
+                ) -> dict[str, Any]:
+  """What `save_checkpoint` saves, the same in every mode: host copies, or with
+  ``host=_host_view`` views of the state's buffers where they can be (the trees only:
+  the step and the key are copies)."""
+  saved = {"params": _params_tree(state.params, host),
+           "opt_state": _gather(_optimizer_part(state.opt_state), host),
            "step": _to_host(state.step)}
   if key is not None:
     saved["key"] = _to_host(jax.random.key_data(key) if _is_key(key) else key)
   model_state = getattr(state, "model_state", None)
   if model_state is not None:
-    saved["model_state"] = jax.tree.map(_to_host, model_state)
+    saved["model_state"] = jax.tree.map(host, model_state)
   return saved
 
 

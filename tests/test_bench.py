@@ -99,6 +99,25 @@ def _check_jit_rows(rows: dict) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_step_benchmark_checkpoint_rows(step_run):
+  """The packed and the sharded step with an async Orbax save every 10 steps, timed in
+  the same run as the rows without saves and compared with them block by block."""
+  text, doc = step_run
+  rows = step_rows(doc)
+  assert "blocks of 10 steps, not 2" in text  # whole save intervals, for every row
+  for key, plain in (("packed_save10", "packed"), ("sharded_save10", "sharded")):
+    v = rows[key]
+    assert v["no_saves_key"] == plain and v["saves"] == 1, key  # one block, one save
+    assert v["vs_no_saves"] == pytest.approx(v["block_step_s"][0]
+                                             / rows[plain]["block_step_s"][0])
+    assert v["save_call_s"] > 0 and v["save_wait_s"] >= 0 and v["checkpoint_bytes"] > 0
+    assert v["max_param_diff_vs_per_leaf"] < 1e-5, key  # saving leaves training alone
+    assert rows[plain]["vs_no_saves"] is None and rows[plain]["saves"] == 0
+    row = [r for r in table_rows(text, f"jpack {plain}, async save every 10")][-1]
+    assert row[6].endswith("x"), row  # vs no saves
+
+
+@pytest.mark.timeout(600)
 def test_step_benchmark_bf16_params_rows(step_run):
   """bf16 params with f32 masters: half the all-gather bytes of f32 ZeRO-1, and about
   2Ψ + 12Ψ/N bytes of params + optimizer state per device."""

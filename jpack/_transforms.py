@@ -67,8 +67,11 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
       packed = pack(updates, **{"num_shards": axis_size(axis_name), **plan_options})
     options = {"allow_int": allow_int} if mean else {}
     if grad_norm and _norm_on_slices(packed.layout, axis_name, mean, method):
-      reduced, norm = _pmean_and_norm(packed, axis_name, comm_dtype,
-                                      value_scalars(extra_args.get("value")))
+      # Packed updates go on to `flat`, which orders its updates after the loss: the
+      # norm's all-reduce must then not be combined with the loss's (see below).
+      after_loss = (value_scalars(extra_args.get("value")) if isinstance(updates, Packed)
+                    else [])
+      reduced, norm = _pmean_and_norm(packed, axis_name, comm_dtype, after_loss)
       state = AllReduceState(norm)
     else:
       reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
@@ -102,7 +105,7 @@ def _pmean_and_norm(packed: Packed, axis_name: Any, comm_dtype: Any,
 
   def on_slices(p):
     shards = reduce_scatter(p, axis_name, mean=True, comm_dtype=comm_dtype)
-    # After the loss (``value``): XLA would otherwise combine the loss's all-reduce with
+    # After ``value`` (the loss): XLA would otherwise combine the loss's all-reduce with
     # this one, and an update ordered after the loss would wait for every bucket.
     norm = jnp.sqrt(lax.psum(after(sum_of_squares(shards.buckets), *value), axis_name))
     return all_gather(shards, axis_name), norm

@@ -153,9 +153,9 @@ def after(tree: Any, *scalars: jax.Array) -> Any:
 AHEAD, BEHIND = 2, 1
 
 
-def after_neighbours(buckets: tuple[Any, ...]) -> list[Any]:
-  """Each bucket `after` one element of the gradients of its neighbours: the next
-  ``AHEAD`` buckets and the previous ``BEHIND``.
+def after_neighbours(buckets: tuple[Any, ...], *scalars: jax.Array) -> list[Any]:
+  """Each bucket `after` ``scalars`` and one element of the gradients of its
+  neighbours: the next ``AHEAD`` buckets and the previous ``BEHIND``.
 
   Buckets are in backward-ready order, so the next buckets' gradients are computed after
   this bucket's params were last read by the backward pass, and its update can overwrite
@@ -169,8 +169,7 @@ def after_neighbours(buckets: tuple[Any, ...]) -> list[Any]:
   chained = [i for i, b in enumerate(buckets) if firsts(b)]  # floating, non-empty
   for k, i in enumerate(chained):
     near = chained[max(k - BEHIND, 0):k] + chained[k + 1:k + 1 + AHEAD]
-    if near:
-      out[i] = after(buckets[i], *(h for j in near for h in firsts(buckets[j])))
+    out[i] = after(buckets[i], *(h for j in near for h in firsts(buckets[j])), *scalars)
   return out
 
 
@@ -285,8 +284,9 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
     packed = pack_like(updates, layout, "updates", masters=masters)
     # After the loss and the neighbouring buckets' gradients: no copies of donated params.
     packed = packed if masters is None else as_layout(packed, masters)
-    packed = Packed(tuple(after(b, *value_scalars(extra_args.get("value")))
-                          for b in after_neighbours(packed.buckets)), packed.layout)
+    packed = Packed(tuple(after_neighbours(packed.buckets,
+                                           *value_scalars(extra_args.get("value")))),
+                    packed.layout)
     flat_params = None if params is None else pack_like(params, layout, "params").buckets
     new, inner_state, master = update_buckets(labelled(inner, layout), packed.buckets, state,
                                               flat_params, extra_args)

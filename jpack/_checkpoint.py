@@ -158,12 +158,12 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def _host_leaf(x: Any, host: Callable[[Any], np.ndarray] | None = None) -> Any:
+def _host_leaf(x: Any, host: Callable[[Any], np.ndarray]) -> Any:
   if _is_abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
   if _is_key(x):  # a typed PRNG key has no numpy form: kept as it is
     return x
-  return (host or _to_host)(x)
+  return host(x)
 
 
 def _to_host(x: Any) -> np.ndarray:
@@ -197,8 +197,7 @@ def _is_bucket_tuple(x: Any, sizes: tuple[int, ...]) -> bool:
       for a, s in zip(x, sizes)))
 
 
-def _gather_node(state: FlatState | ShardedState,
-                 host: Callable[[Any], np.ndarray] = _to_host) -> Any:
+def _gather_node(state: FlatState | ShardedState, host: Callable[[Any], np.ndarray]) -> Any:
   """One `FlatState` / `ShardedState` as its inner optimizer's state on the tree."""
   layout = state.layout
   sizes = tuple(b.size for b in layout.buckets)
@@ -229,7 +228,7 @@ def _gather_node(state: FlatState | ShardedState,
 
 
 def _buckets_to_tree(x: tuple[Any, ...], layout: Layout,
-                     host: Callable[[Any], np.ndarray] = _to_host) -> Any:
+                     host: Callable[[Any], np.ndarray]) -> Any:
   """A tuple of state buckets as a params-shaped tree. With labels, optax.multi_transform
   gives each label's state MaskedNode() in place of the other labels' buckets; on the
   full tree it has MaskedNode() for their leaves."""
@@ -570,8 +569,7 @@ def _is_allreduce_chain(x: Any) -> bool:
           and isinstance(x[0], (AllReduceState, optax.EmptyState)))
 
 
-def _saved_form(state: Any, key: Any, host: Callable[[Any], np.ndarray] = _to_host
-                ) -> dict[str, Any]:
+def _saved_form(state: Any, key: Any, host: Callable[[Any], np.ndarray]) -> dict[str, Any]:
   """What `save_checkpoint` saves, the same in every mode: host copies, or with
   ``host=_host_view`` views of the state's buffers where they can be (the trees only:
   the step and the key are copies)."""

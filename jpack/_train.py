@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jpack import _cpu as cpu
 from jpack._collectives import all_gather, assert_same_layout, broadcast, shard
 from jpack._grads import accumulated_grads, average_state, check_accumulate, with_state
-from jpack._internal import dtype_name
+from jpack._internal import dtype_name, outside_jit
 from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
 from jpack._layout import PARTITION_HINT, Layout, plan
 from jpack._pack import Packed, flatten_like, pack, unpack
@@ -378,7 +378,7 @@ def _check_same_layout(params: Any, layout: Layout) -> None:
   """`assert_same_layout`, except under ``jax.eval_shape(dp.init, ...)``: nothing runs
   there and the processes cannot exchange fingerprints (a restore checks that shape
   against the checkpoint's fingerprint instead)."""
-  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+  if outside_jit(jax.tree.leaves(params)):
     assert_same_layout(layout)
 
 

@@ -166,10 +166,11 @@ def after_neighbours(buckets: tuple[Any, ...], *scalars: jax.Array) -> list[Any]
   neighbours' gradients, XLA copies that bucket: slower, never wrong.
   """
   out = list(buckets)
-  chained = [i for i, b in enumerate(buckets) if firsts(b)]  # floating, non-empty
+  heads = {i: h for i, b in enumerate(buckets) for h in firsts(b)}  # floating, non-empty
+  chained = list(heads)
   for k, i in enumerate(chained):
     near = chained[max(k - BEHIND, 0):k] + chained[k + 1:k + 1 + AHEAD]
-    out[i] = after(buckets[i], *(h for j in near for h in firsts(buckets[j])), *scalars)
+    out[i] = after(buckets[i], *(heads[j] for j in near), *scalars)
   return out
 
 

@@ -1,11 +1,14 @@
-"""Refuse optax transformations that buckets, or slices of them, would silently change.
+"""Find the optax transformations that buckets, or slices of them, would change.
 
 `jpack.optax.flat`, `jpack.optax.sharded` and `jpack.data_parallel` run an optax
 transformation on 1-D buckets that mix many leaves, or on each device's slice of them.
 Only some transformations compute the same there: elementwise ones (sgd, adam, lion,
 ...) everywhere, and those that need the whole gradient (a global norm) on whole buckets.
 No list of names keeps up with optax, so `checker` asks the transformation itself when
-it is initialised: it runs it on a miniature of the params both ways and compares.
+it is initialised: it runs it on a miniature of the params both ways and compares. On
+slices (ZeRO-1) a difference is refused; on whole buckets, where every device holds the
+whole gradient, `checker` names the transformation that differs, and `jpack.optax.flat`
+runs it on the leaves instead (`jpack._labels.placed`).
 
 What runs: ``init`` and three ``update`` calls on random values, once on the miniature
 tree (the reference: what optax computes) and once the way jpack runs it: on the
@@ -60,8 +63,10 @@ per miniature, so ``init`` traced again (eval_shape, jit) does not probe again.
 
 What cannot be probed: a transformation that still raises on the miniature tree (one
 that needs the loss function, like line searches with ``value_fn=``, or a mask given as
-a tree of the params' structure) is refused on buckets and slices with the error it
-raised, and let through on the params tree (data_parallel's other modes).
+a tree of the params' structure) is refused on slices with the error it raised, runs on
+the leaves on buckets (where `jpack.optax.flat` then traces it on the params' shapes and
+names what it raises), and is let through on the params tree (data_parallel's other
+modes).
 
 Limits: behaviour that the random values never trigger (a threshold above their scale)
 is not seen, and a transformation whose result depends on the number of devices is

@@ -85,7 +85,8 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       ``{label: transformation}`` with ``labels``. Transformations that need the whole
       gradient or whole leaves (``optax.clip_by_global_norm``, lamb/lars, adafactor,
       ``optax.masked``...) are refused with a `TypeError`, because on slices they would
-      silently compute something else.
+      silently compute something else; `jpack.optax.flat` (``data_parallel(mode=
+      "packed")``) runs them on the leaves.
     axis_name: the data-parallel mesh / pmap axis.
     labels: per-leaf labels (a tree like params or a prefix of it, or ``params ->
       tree``) selecting the

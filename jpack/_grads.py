@@ -3,6 +3,8 @@ over micro-batches accumulated in float32, ready for the mode's optax transforma
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any, Callable
 
 import jax
@@ -18,15 +20,146 @@ from jpack._precision import as_layout
 
 def with_state(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
                 ) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
-  """``loss_fn`` as ``(params, model_state, batch) -> (loss, (new_model_state, aux))``."""
+  """``loss_fn`` as ``(params, model_state, batch) -> (loss, (new_model_state, aux))``.
+
+  What ``loss_fn`` returns is checked against ``has_aux`` and ``has_state`` when the
+  step traces (nothing is left of the check in the compiled step)."""
   def loss_of(params, model_state, batch):
     if has_state:
-      loss, rest = loss_fn(params, model_state, batch)
-      model_state, aux = rest if has_aux else (rest, None)
+      out = _call(loss_fn, (params, model_state, batch), has_aux, has_state)
+      loss, rest = _returned_pair(out, has_aux, has_state)
+      if has_aux:
+        model_state, aux = _returned_pair(rest, has_aux, has_state, part="rest")
+      else:
+        _check_not_state_and_aux(rest, model_state)
+        model_state, aux = rest, None
     else:
-      loss, aux = loss_fn(params, batch) if has_aux else (loss_fn(params, batch), None)
+      out = _call(loss_fn, (params, batch), has_aux, has_state)
+      loss, aux = _returned_pair(out, has_aux, has_state) if has_aux else (out, None)
+    if isinstance(loss, (tuple, list)):
+      raise TypeError(f"loss_fn returned {_describe(loss)} where the loss goes, but "
+                      f"{_expected(has_aux, has_state)}: {_fixes(has_aux, has_state)}.")
     return loss, (model_state, aux)
   return loss_of
+
+
+def _expected(has_aux: bool, has_state: bool) -> str:
+  """How data_parallel calls ``loss_fn``, and what it takes back, with these flags."""
+  flags = f"has_state={has_state}, has_aux={has_aux}"
+  call = "loss_fn(params, model_state, batch)" if has_state else "loss_fn(params, batch)"
+  back = {(False, False): "the scalar loss", (True, False): "(loss, aux)",
+          (False, True): "(loss, new_model_state)",
+          (True, True): "(loss, (new_model_state, aux))"}[has_aux, has_state]
+  return f"with {flags}, data_parallel calls {call} and takes back {back}"
+
+
+def _fixes(has_aux: bool, has_state: bool) -> str:
+  """The flags a loss that does not fit ``has_aux`` and ``has_state`` may need."""
+  fixes = []
+  if not has_aux:
+    fixes.append("a loss that also returns metrics needs has_aux=True and returns "
+                 + ("(loss, (new_model_state, aux))" if has_state else "(loss, aux)"))
+  if not has_state:
+    fixes.append("one that takes and returns the model's state (Flax's batch_stats, Haiku's "
+                 "state) needs has_state=True, with loss_fn(params, model_state, batch) -> "
+                 "(loss, new_model_state) and dp.init(params, model_state)")
+  if has_aux and has_state:
+    fixes.append("return (loss, (new_model_state, aux))")
+  return "; ".join(fixes)
+
+
+def _returned_pair(out: Any, has_aux: bool, has_state: bool, part: str = "") -> tuple:
+  """``out`` as the pair the flags promise, or a TypeError naming the flag to change."""
+  if isinstance(out, (tuple, list)) and len(out) == 2:
+    return tuple(out)
+  where = "loss_fn returned" if not part else "loss_fn returned (loss, rest) with rest"
+  fixes = []
+  if not has_aux and has_state:
+    fixes.append("if it returns (loss, (new_model_state, aux)), pass has_aux=True")
+  if has_aux:
+    fixes.append("if it returns no aux, drop has_aux=True")
+  if has_state and not part:
+    fixes.append("if it takes no model state, drop has_state=True")
+  raise TypeError(f"{where} {_describe(out)}, but {_expected(has_aux, has_state)}"
+                  + (": " + "; ".join(fixes) if fixes else "") + ".")
+
+
+def _describe(x: Any) -> str:
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)}"
+  return f"a {type(x).__name__}"
+
+
+def _check_not_state_and_aux(rest: Any, model_state: Any) -> None:
+  """With has_state and without has_aux: ``(new_model_state, aux)`` where the new state
+  alone goes (its first half is shaped like the state, the whole is not)."""
+  structure = jax.tree.structure(model_state)
+  if (isinstance(rest, (tuple, list)) and len(rest) == 2
+      and jax.tree.structure(rest) != structure
+      and jax.tree.structure(rest[0]) == structure):
+    raise TypeError("loss_fn returned (loss, (new_model_state, aux)) (the first half of its "
+                    "second element is shaped like the model state, the whole is not), but "
+                    f"{_expected(False, True)}: pass has_aux=True.")
+
+
+def _call(loss_fn: Callable[..., Any], args: tuple, has_aux: bool, has_state: bool) -> Any:
+  """``loss_fn(*args)``; a signature that `check_loss_fn` could not read (``*args``)
+  and that does not take these arguments gets a note naming the flag."""
+  try:
+    return loss_fn(*args)
+  except TypeError as e:
+    # Python's own message for a call that does not fit the signature; the note is a
+    # hint, as the TypeError may come from deeper inside loss_fn.
+    if re.search(r"positional argument|required keyword", str(e)):
+      e.add_note(f"If loss_fn's own signature refused this call: "
+                 f"{_expected(has_aux, has_state)}; {_fixes(has_aux, has_state)}.")
+    raise
+
+
+def check_loss_fn(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -> None:
+  """A ``loss_fn`` whose signature cannot take the arguments the flags give it, refused
+  with the flag to set. Signatures that ``inspect`` cannot read, or that take ``*args``,
+  pass here (their calls are checked when the step traces)."""
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+  try:
+    signature = inspect.signature(loss_fn)  # follows functools.partial, __call__, __wrapped__
+  except (TypeError, ValueError):  # builtins, some C extensions
+    return
+  names = [p.name for p in signature.parameters.values()
+           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+  def takes(n):
+    try:
+      signature.bind(*range(n))
+    except TypeError:
+      return False
+    return True
+
+  n = 3 if has_state else 2
+  if takes(n):
+    return
+  shown = f"loss_fn{signature}"
+  if not has_state and takes(3):
+    raise TypeError(f"{shown} takes 3 arguments, but data_parallel was built without "
+                    "has_state=True, so it calls loss_fn(params, batch). If "
+                    f"{names[1] if len(names) > 1 else 'its second argument'!r} is the "
+                    "model's state (Flax's batch_stats, Haiku's state), pass has_state=True: "
+                    "loss_fn(params, model_state, batch) returns (loss, new_model_state), "
+                    "and dp.init(params, model_state) takes its first value. Otherwise bind "
+                    "the extra argument with functools.partial.")
+  if has_state and takes(2):
+    raise TypeError(f"{shown} takes 2 arguments, but data_parallel(..., has_state=True) "
+                    "calls loss_fn(params, model_state, batch). Drop has_state=True if the "
+                    "model has no state, or add the model_state argument.")
+  raise TypeError(f"{shown} cannot be called as "
+                  + ("loss_fn(params, model_state, batch)" if has_state
+                     else "loss_fn(params, batch)")
+                  + f" ({'has_state=True' if has_state else 'without has_state'}): take "
+                  "exactly these positional arguments, and bind any others with "
+                  "functools.partial.")
 
 
 def accumulated_grads(loss_fn: Callable[..., Any], packed_params: bool, axis_name: str,

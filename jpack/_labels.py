@@ -1,20 +1,32 @@
-"""How a user's optimizer runs over a tuple of buckets: labels and extra arguments.
+"""How a user's optimizer runs over a tuple of buckets: labels, extra arguments, and
+the parts that need the leaves.
 
 `jpack.optax.flat`, `jpack.optax.sharded` and `jpack.data_parallel` take an optax
 transformation, or a dict ``{label: transformation}`` with per-leaf ``labels=`` as in
 `optax.multi_transform`. Leaves of different labels get different buckets, and each
 bucket is updated by its label's transformation.
+
+A transformation that reads each leaf's shape or values (lamb's trust ratio, adafactor's
+factored moments, a weight-decay mask) computes something else on buckets. Where every
+device holds the whole gradient (`jpack.optax.flat`), `placed` runs it on the leaves
+instead: the buckets are unpacked into the params tree, it runs there as optax runs it,
+and its updates are packed back. An `optax.chain` is split, so that only its parts that
+need the leaves run on them (in ``adamw(mask=...)``, the masked weight decay; adam's
+moments stay on buckets).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jpack._layout import Layout
+from jpack._layout import Layout, retyped
+from jpack._pack import Packed, pack, unpack
 
 Labels = Union[Callable[[Any], Any], Any, None]
 Inner = Union[optax.GradientTransformation, Mapping[str, optax.GradientTransformation]]
@@ -116,3 +128,162 @@ def check_inner(inner: Inner, labels: Labels) -> None:
             if hasattr(inner, "gradient_transformation") else "")
     raise TypeError(f"inner must be an optax.GradientTransformation (or a dict of them with "
                     f"labels=), got {type(inner).__name__}{hint}.")
+
+
+# -- parts that need the leaves ----------------------------------------------------------
+
+# The code of every `optax.chain`'s update: how a chain is told from other
+# transformations (its parts are in that function's closure).
+_CHAIN_CODE = optax.chain(optax.identity()).update.__code__
+
+
+def chain_parts(tx: Any) -> tuple[optax.GradientTransformationExtraArgs, ...] | None:
+  """The transformations an `optax.chain` runs in turn (as the chain holds them, taking
+  the extra update arguments), or None if ``tx`` is not a chain."""
+  update, init = getattr(tx, "update", None), getattr(tx, "init", None)
+  if getattr(update, "__code__", None) is not _CHAIN_CODE:
+    return None
+  try:
+    updates = inspect.getclosurevars(update).nonlocals["update_fns"]
+    inits = inspect.getclosurevars(init).nonlocals["init_fns"]
+  except (KeyError, TypeError):  # another optax: not split, run whole on the leaves
+    return None
+  if len(updates) != len(inits):
+    return None
+  return tuple(optax.GradientTransformationExtraArgs(i, u) for i, u in zip(inits, updates))
+
+
+def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | None]
+           ) -> tuple[optax.GradientTransformationExtraArgs, tuple[str, ...], bool]:
+  """``inner`` as one transformation over the tuple of buckets, with the parts that
+  buckets would change running on the leaves.
+
+  Args:
+    inner: the user's transformation, or a dict of them with labels in ``layout``.
+    layout: the buckets' layout (its bucket labels select a dict's transformations).
+    needs_leaves: ``needs_leaves(tx)`` is None when ``tx`` computes the same on buckets
+      as on the leaves, else the name of the transformation that differs (the probe).
+
+  Returns:
+    ``(tx, on_leaves, whole)``: ``tx`` takes and returns tuples of buckets, and its
+    state is ``inner``'s (an `optax.chain`'s tuple of states, each part's on buckets or
+    on the params tree); ``on_leaves`` names the transformations that buckets would
+    change (empty: all of ``inner`` runs on buckets); ``whole``: all of ``inner`` runs
+    on the leaves.
+  """
+  culprit = needs_leaves(inner)
+  if culprit is None:
+    return labelled(inner, layout), (), False
+  if isinstance(inner, Mapping):  # each leaf's transformation, by the labels
+    return on_leaves(multi_transform(dict(inner), leaf_labels(inner, layout)), layout), (
+        culprit,), True
+  parts = chain_parts(inner)
+  if parts is None:
+    return on_leaves(inner, layout), (culprit,), True
+  steps, names = [], []
+  for part in parts:
+    found = needs_leaves(part)
+    if found is not None and chain_parts(part) is None:
+      # Whole on the leaves: it takes the tree itself, so consecutive such parts pass
+      # it on without packing in between.
+      steps.append((part, True))
+      names.append(found)
+    else:
+      tx, inside, _ = placed(part, layout, needs_leaves)
+      steps.append((tx, False))
+      names += inside
+  if not names:  # each part passes, the whole does not: no split to trust
+    return on_leaves(inner, layout), (culprit,), True
+  return in_turn(steps, layout), tuple(names), False
+
+
+def leaf_labels(inner: Mapping[Any, Any], layout: Layout) -> Any:
+  """The params tree of each leaf's key in ``inner``, from its bucket's label."""
+  key_of = {str(k): k for k in inner}
+  return layout.treedef.unflatten(
+      [key_of[str(layout.buckets[s.bucket].group[1])] for s in layout.slots])
+
+
+def on_leaves(tx: optax.GradientTransformation,
+              layout: Layout) -> optax.GradientTransformationExtraArgs:
+  """``tx`` run on the params tree of the buckets it is given: its state is ``tx``'s
+  on the tree, its updates are packed back into buckets."""
+  tx = with_extra_args(tx)
+
+  def init_fn(buckets):
+    return tx.init(to_tree(buckets, layout))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    tree_params = None if params is None else to_tree(params, layout)
+    new, state = tx.update(to_tree(updates, layout), state, tree_params, **extra_args)
+    return to_buckets(new, layout), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def in_turn(steps: Sequence[tuple[optax.GradientTransformationExtraArgs, bool]],
+            layout: Layout) -> optax.GradientTransformationExtraArgs:
+  """`optax.chain` of ``steps``, each ``(tx, takes_tree)``: ``tx`` on the params tree
+  or on the tuple of buckets. The updates are unpacked or packed only where the next
+  step wants the other form. The state is the chain's: a tuple of the steps' states."""
+
+  def init_fn(buckets):
+    tree = None
+    states = []
+    for tx, takes_tree in steps:
+      if takes_tree and tree is None:
+        tree = to_tree(buckets, layout)
+      states.append(tx.init(tree if takes_tree else buckets))
+    return tuple(states)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    as_tree, tree_params, new_state = False, None, []
+    for (tx, takes_tree), s in zip(steps, state):
+      if takes_tree != as_tree:
+        updates = to_tree(updates, layout) if takes_tree else to_buckets(updates, layout)
+        as_tree = takes_tree
+      if takes_tree and tree_params is None and params is not None:
+        tree_params = to_tree(params, layout)
+      updates, s = tx.update(updates, s, tree_params if takes_tree else params,
+                             **extra_args)
+      new_state.append(s)
+    return (to_buckets(updates, layout) if as_tree else updates), tuple(new_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def to_tree(buckets: Sequence[Any], layout: Layout) -> Any:
+  """The params tree of ``buckets`` of ``layout``, each leaf in its bucket's dtype (the
+  masters', or wider updates than the params')."""
+  dtypes = [np.dtype(b.dtype) for b in buckets]
+  if dtypes != [b.dtype for b in layout.buckets]:
+    layout = retyped(layout, dtypes)
+  return unpack(Packed(tuple(buckets), layout))
+
+
+def to_buckets(tree: Any, layout: Layout) -> tuple[Any, ...]:
+  """``tree`` (updates a transformation returned on the leaves) packed into the buckets
+  of ``layout``. A bucket whose leaves came back in wider floats (float32 updates for
+  bfloat16 params, as optax returns for a float32 hyperparameter) is packed in the
+  widest of them, as `optax.apply_updates` would add them; any other change of dtype is
+  refused with the leaves it concerns."""
+  leaves = layout.treedef.flatten_up_to(tree)
+  dtypes = []
+  for i, bucket in enumerate(layout.buckets):
+    got = {np.dtype(jnp.result_type(leaves[j])) for j in bucket.slots} or {bucket.dtype}
+    if got == {bucket.dtype}:
+      dtypes.append(bucket.dtype)
+      continue
+    if not all(jnp.issubdtype(d, jnp.floating) for d in got | {bucket.dtype}):
+      paths = [layout.slots[j].path for j in bucket.slots
+               if np.dtype(jnp.result_type(leaves[j])) != bucket.dtype]
+      shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+      raise TypeError(
+          f"The optimizer returned {sorted(map(str, got))} updates for {bucket.dtype} "
+          f"leaves ({shown}); jpack never casts silently. Keep such leaves out of the "
+          "optimizer: labels= with optax.set_to_zero() for them, or out of the params.")
+    dtypes.append(np.dtype(jnp.result_type(*got, bucket.dtype)))
+  wide = retyped(layout, dtypes)
+  leaves = [x if np.dtype(jnp.result_type(x)) == wide.slots[j].dtype
+            else jnp.asarray(x).astype(wide.slots[j].dtype) for j, x in enumerate(leaves)]
+  return pack(layout.treedef.unflatten(leaves), wide).buckets

@@ -124,6 +124,7 @@ class _Refusal(NamedTuple):
   reason: str
   advice: str | None  # None: the caller's alternatives
   cause: BaseException | None
+  leaves: bool = False  # on the params tree it runs as optax runs it
 
 
 class _PerDevice:
@@ -131,22 +132,27 @@ class _PerDevice:
 
 
 def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
-            instead: str = _ALLREDUCE) -> Callable[[Layout], None]:
-  """A function that probes ``inner`` for a params `Layout` and raises if it differs.
+            instead: str = _ALLREDUCE) -> Callable[[Layout], str | None]:
+  """A function that probes ``inner`` for a params `Layout`: where it may run.
 
   Args:
     inner: an optax transformation, or a dict ``{label: transformation}`` selected by
       the layout's bucket labels (as `jpack.optax.flat` does).
     on: where jpack runs it: ``"buckets"`` (whole buckets, every device holds the whole
-      gradient), ``"slices"`` (each device's slice, over ``axis_name``), or ``"tree"``
-      (on the params tree, where only collectives over the axis are checked).
+      gradient; what buckets would change runs on the leaves instead), ``"slices"``
+      (each device's slice, over ``axis_name``), or ``"tree"`` (on the params tree,
+      where only collectives over the axis are checked).
     where: for messages, e.g. ``"inside jpack.optax.flat"``.
     axis_name: the data-parallel axis (bound on slices, refused elsewhere).
     instead: for messages: what runs the optimizer on the params tree.
 
   Returns:
-    ``check(layout)``, which raises `TypeError` if ``inner`` computes something else
-    on ``on`` than on the params tree; verdicts are kept per miniature.
+    ``check(layout)``, which raises `TypeError` if ``inner`` cannot run there (it
+    computes something else on slices than on the params tree; a collective over the
+    axis where every device holds the whole gradient). On ``"buckets"`` it returns,
+    when buckets would change the result but the params tree does not, the name of the
+    transformation that differs (``inner`` must then run on the leaves), else None.
+    Verdicts are kept per miniature.
   """
   if on not in _ON:
     raise ValueError(f"on must be one of {_ON}, got {on!r}.")
@@ -154,19 +160,45 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
   clip = (", jpack.optax.clip_by_global_norm(max_norm, axis_name) to clip by the global "
           "norm" if on == "slices" else "")
   default = f"Use labels= with a dict of transformations for masks{clip}, or {instead}."
+  if on == "slices":
+    # What ZeRO-1 lacks so far is a device owning whole leaves; the replicated modes
+    # run such a transformation on the leaves already.
+    default = ("ZeRO-1 (jpack.optax.sharded, data_parallel(mode='sharded')) runs only "
+               "elementwise transformations for now: no device owns whole leaves yet. Use "
+               "mode='packed' or jpack.optax.flat, which run it on the leaves and give "
+               "optax's result; or " + default[0].lower() + default[1:])
 
-  def check(layout: Layout) -> None:
+  def check(layout: Layout) -> str | None:
     spec = _miniature(layout)
     if not spec:
-      return
+      return None
     if spec not in verdicts:
       verdicts[spec] = _in_worker(lambda: _verdict(inner, spec, on, axis_name))
     refusal = verdicts[spec]
-    if refusal is not None:
-      raise TypeError(f"{refusal.name} cannot run {where}: {refusal.reason} "
-                      f"{refusal.advice or default}") from refusal.cause
+    if refusal is None:
+      return None
+    if on == "buckets" and refusal.leaves:
+      return refusal.name
+    raise TypeError(f"{refusal.name} cannot run {where}: {refusal.reason} "
+                    f"{refusal.advice or default}") from refusal.cause
 
   return check
+
+
+def refused(error: BaseException, inner: Any, where: str, when: str) -> TypeError:
+  """The `TypeError` for an ``error`` that ``inner`` raised in ``when`` (``"init"`` or
+  ``"update"``) on the real params: it names the innermost transformation that raised
+  and what to do."""
+  name = _raiser(error)
+  if name == "The optimizer":
+    name = described(inner)
+  message = (str(error).splitlines() or [""])[0][:300].rstrip(".")
+  return TypeError(
+      f"{name} cannot run {where}: its {when} raised {type(error).__name__}: {message}. "
+      "It may need the loss function (value_fn=, grad_fn=: line searches, SAM's opaque "
+      "mode) or arguments for another params tree (a mask or labels given as a tree must "
+      "have the params' structure). Check it on the params tree with plain optax first; "
+      "if it runs there, please report this with the optimizer.")
 
 
 def _in_worker(fn: Callable[[], Any]) -> Any:
@@ -417,7 +449,12 @@ def _verdict(inner: Any, spec: tuple[_Leaf, ...], on: str, axis_name: Any) -> _R
   if want_run is None:
     if isinstance(want, NameError):
       return _collective(want, tree_tx, mini, on, axis_name)
-    return None if on == "tree" else _raised(want, on, "on a small params tree of its own")
+    if on == "tree":
+      return None
+    # It needs something of the real params (a mask given as a tree): on the leaves it
+    # gets them, as in optax, and its errors are named there if it still raises.
+    return _raised(want, on, "on a small params tree of its own")._replace(
+        leaves=on == "buckets")
   if on == "tree":
     return None
   got_run = _Run(bucket_tx, _buckets(mini.params, mini.layout, devices),
@@ -434,12 +471,13 @@ def _verdict(inner: Any, spec: tuple[_Leaf, ...], on: str, axis_name: Any) -> _R
   except NameError as e:
     return _collective(e, tree_tx, mini, on, axis_name)
   except Exception as e:  # noqa: BLE001 - named in the refusal
-    return _raised(e, on, f"on {_TARGETS[on]}, though not on the params tree,")
+    return _raised(e, on, f"on {_TARGETS[on]}, though not on the params tree,")._replace(
+        leaves=on == "buckets")
   found = _compare(want, got, mini, want_run.devices, devices)
   if found is None:
     return None
-  return _differs(found, _culprit(want_run, got_run, mini), on, _described(inner),
-                  got_run.axis_name)
+  return _differs(found, _culprit(want_run, got_run, mini), on, described(inner),
+                  got_run.axis_name)._replace(leaves=on == "buckets")
 
 
 def _reference(tx: Any, mini: _Mini, on: str, axis_name: Any) -> tuple[Any, Any]:
@@ -521,7 +559,7 @@ def _around(calls: list[_Call], i: int, mini: _Mini) -> list[str]:
   return out[::-1]
 
 
-def _described(inner: Any) -> str:
+def described(inner: Any) -> str:
   """``inner``'s factory (e.g. ``optax.apply_if_finite``), or "The optimizer"."""
   update = getattr(inner, "update", None)
   code = getattr(getattr(update, "__func__", update), "__code__", None)
@@ -572,7 +610,9 @@ def _raiser(error: BaseException) -> str:
   """The innermost transformation in ``error``'s traceback."""
   name, tb = "The optimizer", error.__traceback__
   while tb is not None:
-    if _is_transform(tb.tb_frame.f_code):
+    # jpack._labels only runs the user's transformations, on buckets or on the leaves.
+    if (_is_transform(tb.tb_frame.f_code)
+        and tb.tb_frame.f_globals.get("__name__") != "jpack._labels"):
       frame = tb.tb_frame
       name = _name(frame.f_globals.get("__name__", ""), frame.f_code.co_qualname)
     tb = tb.tb_next

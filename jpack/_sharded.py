@@ -27,6 +27,7 @@ from jpack._probe import checker
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
 from jpack._transforms import (after, after_neighbours, layout_of_masters, layout_state_repr,
+                               named_errors,
                                pack_like, unpack_as_returned, update_buckets,
                                value_scalars)
 
@@ -117,8 +118,8 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   """
   check_inner(inner, labels)
   check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
-  check = checker(inner, on="slices", axis_name=axis_name,
-                  where="inside jpack.optax.sharded")
+  where = "inside jpack.optax.sharded"
+  check = checker(inner, on="slices", axis_name=axis_name, where=where)
 
   def layout_for(tree, n):
     if isinstance(tree, (Packed, Shards)):
@@ -143,7 +144,9 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     else:
       local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
     check(local.layout)  # on a miniature of the params: compares slices with the tree
-    return ShardedState(labelled(inner, layout).init(local.buckets), layout,
+    with named_errors(inner, where, "init"):
+      inner_state = labelled(inner, layout).init(local.buckets)
+    return ShardedState(inner_state, layout,
                         master=None if master is None else master.buckets)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -173,8 +176,9 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       if not isinstance(local_params, Shards):
         local_params = shard(local_params, axis_name)
       local_params = local_params.buckets
-    new, inner_state, master = update_buckets(labelled(inner, layout), grads.buckets, state,
-                                              local_params, extra_args)
+    with named_errors(inner, where, "update"):
+      new, inner_state, master = update_buckets(labelled(inner, layout), grads.buckets,
+                                                state, local_params, extra_args)
     new_state = ShardedState(inner_state, layout, norm, master)
     if isinstance(params, Shards):
       # The caller applies the updates to its slice and all-gathers the new params:

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jpack import _cpu as cpu
 from jpack._collectives import all_gather, assert_same_layout, broadcast, shard
-from jpack._grads import accumulated_grads, average_state, check_accumulate, with_state
+from jpack._grads import (accumulated_grads, average_state, check_accumulate, check_loss_fn,
+                          with_state)
 from jpack._internal import dtype_name, outside_jit
 from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
 from jpack._layout import PARTITION_HINT, Layout, plan
@@ -27,10 +28,20 @@ from jpack._sharded import ShardedState, sharded
 from jpack._transforms import after, allreduce, firsts, flat
 
 MODES = ("allreduce", "packed", "sharded")
+_READ_FIX = ("Read the state step() returned, or copy what you need before the step: "
+             "jax.device_get(dp.params(state)).")
 
 
 class TrainState(NamedTuple):
   """What a data-parallel step carries from one step to the next.
+
+  ``step`` donates the whole state it is given, every field (``params``, ``opt_state``,
+  ``step`` and ``model_state``): their buffers hold the new state, and the old arrays
+  are deleted, so read fields from the state ``step`` returns. An array read from a
+  state before a later ``step`` (``stats = state.model_state``) is deleted by that step
+  too, and JAX then raises ``Array has been deleted``: copy it first
+  (``jax.device_get(state.model_state)``, ``jnp.copy``). Passing a donated state to
+  ``step`` or ``params`` raises a `RuntimeError` that says so. ``init`` donates nothing.
 
   Attributes:
     params: the parameters: a tree, or a `jpack.Packed` in the "packed" and "sharded"
@@ -84,7 +95,9 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   in-process collectives deadlock when ~40 steps are queued (jax 0.10.2).
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar loss`` on one device's batch slice.
+    loss_fn: ``loss_fn(params, batch) -> scalar loss`` on one device's batch slice
+      (with ``has_aux`` and ``has_state``, see there). A signature or a return value
+      that does not fit these flags raises a `TypeError` naming the flag to set.
     optimizer: the optax optimizer (without any all-reduce: the step adds it, and a
       `jpack.optax.allreduce` in it is refused), or a dict ``{label: optimizer}`` with
       ``labels``.
@@ -151,13 +164,15 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   Returns:
     `DataParallel` with ``init(params) -> TrainState``,
-    ``step(state, batch) -> (state, {"loss", "grad_norm"[, "aux"]})``,
+    ``step(state, batch) -> (state, {"loss", "grad_norm"[, "aux"]})`` (which donates
+    the state it is given: see `TrainState`),
     ``params(state) -> tree``
     and the params ``layout``.
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
   check_accumulate(accumulate, accumulator, mode)
+  check_loss_fn(loss_fn, has_aux, has_state)
   if param_dtype is not None and mode == "allreduce":
     raise ValueError("param_dtype= needs mode='packed' or mode='sharded', where the "
                      "optimizer keeps master copies of the packed params; mode='allreduce' "
@@ -333,8 +348,13 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
   step.lower = lower
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
-  return DataParallel(init, step, to_tree if mode != "allreduce" else jax.jit(to_tree),
-                      layout)
+  tree_of = to_tree if mode != "allreduce" else jax.jit(to_tree)
+
+  def params(state):
+    _check_not_donated(state, _READ_FIX)
+    return tree_of(state)
+
+  return DataParallel(init, step, params, layout)
 
 
 def _transformation(mode: str, optimizer: Any, labels: Labels, axis_name: str,
@@ -379,9 +399,13 @@ def _check_trainable(layout: Layout) -> None:
       raise TypeError(
           f"Param leaf at {slot.path or '<root>'} has dtype {dtype_name(slot.dtype)}; "
           "data_parallel differentiates the loss with respect to every param leaf, so each "
-          "must be a floating (or complex) array. Keep counters, masks and PRNG keys out "
-          "of the params: close over them in loss_fn or pass them in the batch. "
-          + PARTITION_HINT)
+          "must be a floating (or complex) array. An integer, bool or PRNG-key leaf in "
+          "the params looks like model state that is not trained (a BatchNorm counter, "
+          "Haiku's state from hk.transform_with_state, Flax's batch_stats): pass it apart, "
+          "as model_state, with data_parallel(..., has_state=True), "
+          "loss_fn(params, model_state, batch) -> (loss, new_model_state) and "
+          "dp.init(params, model_state). Other counters, masks and PRNG keys: close over "
+          "them in loss_fn or pass them in the batch. " + PARTITION_HINT)
 
 
 def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainState:
@@ -417,21 +441,28 @@ def _check_state(state: TrainState, mode: str) -> None:
   modes keep a `Packed` (``fresh._replace(params=tree)`` when restoring; shard_map's own
   error is a pytree-prefix mismatch), and a state already passed to ``step``, which
   donated it: on several CPU devices jax 0.10.2 kills the process (segfault) when a
-  deleted buffer is donated again. The step counter is donated with the rest, so it
-  tells without flattening the state."""
+  deleted buffer is donated again."""
   if mode in ("packed", "sharded") and not isinstance(state.params, Packed):
     raise TypeError(
         f"TrainState.params is a {type(state.params).__name__}, but data_parallel("
         f"mode={mode!r}) keeps the params as a jpack.Packed: use dp.init(params) for a "
         "new state, or jpack.pack(params, dp.layout) when restoring "
         "(state._replace(params=jpack.pack(tree, dp.layout))).")
+  _check_not_donated(state, "Use the state step() returned: state, metrics = "
+                     "dp.step(state, batch).")
+
+
+def _check_not_donated(state: TrainState, fix: str) -> None:
+  """A state whose buffers ``step`` donated: every array in it is deleted, and JAX's own
+  error names none of this. The step counter is donated with the rest, so it tells
+  without flattening the state (one cheap call)."""
   counter = state.step
   if (isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer)
       and counter.is_deleted()):
     raise RuntimeError(
-        "This TrainState was already passed to step(), which donates its buffers (they "
-        "are reused for the new state). Use the state step() returned: state, metrics = "
-        "dp.step(state, batch).")
+        "This TrainState was already passed to step(), which donates the whole state "
+        "(params, opt_state, step and model_state): its buffers are reused for the new "
+        f"state, and these are deleted. {fix}")
 
 
 def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
@@ -489,6 +520,7 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
     return state, jax.tree.map(lambda m: m[0], metrics)
 
   def params(state):
+    _check_not_donated(state, _READ_FIX)
     return to_tree(jax.tree.map(lambda x: x[0], state))
 
   return DataParallel(init, step, params, layout)

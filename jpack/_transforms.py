@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+import logging
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +21,10 @@ from jpack._layout import Layout, check_plan_options, plan, retyped
 from jpack._pack import Packed, pack, unpack
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
-from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
-from jpack._probe import checker
+from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed
+from jpack._probe import checker, described, refused
 
+logger = logging.getLogger("jpack")
 
 
 def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
@@ -221,11 +224,16 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
   packed).
 
   Args:
-    inner: the transformation to run on the buckets. Must be elementwise (sgd, momentum,
-      adam, adamw, lion, schedules, ...) or need only the whole gradient
-      (``clip_by_global_norm``): per-leaf norms or shapes are not visible on buckets, and
-      optax transformations that need them are refused. Or a dict ``{label:
-      transformation}`` used with ``labels``.
+    inner: the transformation to run on the buckets: elementwise ones (sgd, momentum,
+      adam, adamw, lion, schedules, ...) and those that need only the whole gradient
+      (``clip_by_global_norm``) run there. Any other optax transformation works too, as
+      optax computes it: what reads each leaf's shape or values (lamb's trust ratio,
+      adafactor, muon, sm3, a weight-decay ``mask=``) runs on the params tree, unpacked
+      from the buckets, and its updates are packed back. Of an `optax.chain`, only the
+      parts that need the leaves run on them (``adamw(mask=...)``: the masked weight
+      decay; adam's moments stay on buckets). ``init`` finds out which, by probing
+      (see ``Raises``), and logs it once on the ``"jpack"`` logger (INFO). Or a dict
+      ``{label: transformation}`` used with ``labels``.
     labels: per-leaf labels, as in `optax.multi_transform`: a tree of labels with the
       structure of the params (or a prefix of it: one label for a whole subtree), or a
       function ``params -> tree of labels``. Labels need not be strings (``True``,
@@ -247,36 +255,54 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
     arguments (``value=`` for ``optax.polyak_sgd``) are passed on to ``inner``.
 
   Raises:
-    TypeError: from ``init``, when ``inner`` computes something else on buckets than on
-      the params tree (lamb, adafactor, masks, noise, ...): ``init`` runs it both ways on
-      a miniature of the params and compares.
+    TypeError: from ``init``, when ``inner`` cannot run here at all (a collective over
+      a mesh axis: the gradients are reduced already) or raises on the params (a line
+      search without its ``value_fn=``); from ``update``, when ``inner`` raises there.
+      The message names the transformation. To choose, ``init`` runs ``inner`` on a
+      miniature of the params on buckets and on the tree, and compares.
     ValueError: from ``update``, when the updates or params are a `jpack.Packed` with
       another layout than the one the state was initialised with (``state.layout``).
 
   Examples:
-    >>> import jax.numpy as jnp, optax, jpack
+    >>> import jax, jax.numpy as jnp, optax, jpack
     >>> params = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
     >>> tx = jpack.optax.flat(optax.adam(0.1))
     >>> state = tx.init(params)
     >>> updates, state = tx.update(params, state, params)
     >>> updates["w"].shape
     (2, 2)
+
+    GPT-2's recipe, weight decay on matrices only: adam runs on the buckets, the masked
+    weight decay on the leaves.
+
+    >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    >>> decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    >>> tx = jpack.optax.flat(optax.adamw(0.1, weight_decay=0.1, mask=decay))
+    >>> zero = jax.tree.map(jnp.zeros_like, params)  # no gradient: only the decay moves
+    >>> updates, state = tx.update(zero, tx.init(params), params)
+    >>> round(float(updates["w"][0, 0]), 4), bool((updates["b"] == 0).all())
+    (-0.01, True)
   """
   check_inner(inner, labels)
   check_plan_options(plan_options, "jpack.optax.flat")
-  check = checker(inner, on="buckets", where="inside jpack.optax.flat")
+  where = "inside jpack.optax.flat"
+  running = placement(inner, where)
 
   def init_fn(params):
     if param_dtype is None:
       packed = _pack(params, labels, plan_options)
-      check(packed.layout)  # on a miniature of the params: compares buckets with the tree
-      return FlatState(labelled(inner, packed.layout).init(packed.buckets), packed.layout)
+      tx = running(packed.layout)  # probed on a miniature of the params
+      with named_errors(inner, where, "init"):
+        inner_state = tx.init(packed.buckets)
+      return FlatState(inner_state, packed.layout)
     check_masters(params, "jpack.optax.flat")
     narrow = cast_params(params, param_dtype)
     layout = plan(narrow, group_fn=group_fn_for(narrow, labels), **plan_options)
     masters = pack_masters(params, layout)
-    check(masters.layout)
-    return FlatState(labelled(inner, layout).init(masters.buckets), layout, masters.buckets)
+    tx = running(masters.layout)
+    with named_errors(inner, where, "init"):
+      inner_state = tx.init(masters.buckets)
+    return FlatState(inner_state, layout, masters.buckets)
 
   def update_fn(updates, state, params=None, **extra_args):
     layout = state.layout
@@ -289,13 +315,80 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
                                            *value_scalars(extra_args.get("value")))),
                     packed.layout)
     flat_params = None if params is None else pack_like(params, layout, "params").buckets
-    new, inner_state, master = update_buckets(labelled(inner, layout), packed.buckets, state,
-                                              flat_params, extra_args)
+    with named_errors(inner, where, "update"):
+      new, inner_state, master = update_buckets(running(layout if masters is None else masters),
+                                                packed.buckets,
+                                                state, flat_params, extra_args)
     out = Packed(tuple(new), layout)
     return ((out if was_packed else unpack_as_returned(out)),
             FlatState(inner_state, layout, master))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def placement(inner: Inner, where: str
+              ) -> Callable[[Layout], optax.GradientTransformationExtraArgs]:
+  """``running(layout)``: ``inner`` over the tuple of buckets of ``layout``, its parts
+  that buckets would change on the leaves (`placed`), as the probe finds on a
+  miniature of ``layout``. Raises `TypeError` for what cannot run where every device
+  holds the whole gradient. Says once per layout (INFO on the ``"jpack"`` logger) what
+  runs on the leaves."""
+  checks: dict[Any, Callable[[Layout], str | None]] = {}
+  plans: dict[Layout, optax.GradientTransformationExtraArgs] = {}
+
+  def running(layout: Layout) -> optax.GradientTransformationExtraArgs:
+    if layout in plans:
+      return plans[layout]
+
+    def needs_leaves(tx):
+      key = id(tx) if tx is inner else (tx.init, tx.update)
+      if key not in checks:
+        checks[key] = checker(tx, on="buckets", where=where)
+      return checks[key](layout)
+
+    tx, on_leaves, whole = placed(inner, layout, needs_leaves)
+    if on_leaves:
+      _check_on_leaves(tx, inner, layout, where)
+      differ = ", ".join(dict.fromkeys(on_leaves))
+      logger.info("jpack.optax.flat (layout %s): %s", layout.fingerprint,
+                  f"{described(inner)} runs on the leaves ({differ} would differ on "
+                  "buckets)" if whole else f"{differ} on the leaves (on buckets "
+                  f"{'it' if len(set(on_leaves)) == 1 else 'they'} would differ), the "
+                  "rest of the optimizer on buckets")
+    plans[layout] = tx
+    return tx
+
+  return running
+
+
+def _check_on_leaves(tx: optax.GradientTransformationExtraArgs, inner: Inner,
+                     layout: Layout, where: str) -> None:
+  """Raise from ``init`` what the leaves' part raises on the params' shapes (the
+  probe's miniature is not the params: a mask given as a tree fits only the params):
+  one abstract ``update``, without extra arguments and then with ``value=``."""
+  buckets = tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in layout.buckets)
+  error = None
+  for extra in ({}, {"value": jax.ShapeDtypeStruct((), jnp.float32)}):
+    try:
+      jax.eval_shape(lambda g, e: tx.update(g, tx.init(g), g, **e), buckets, extra)
+      return
+    except Exception as e:  # noqa: BLE001 - named in the refusal
+      error = error or e
+  raise refused(error, inner, where, "update (on the params' shapes)") from error
+
+
+@contextlib.contextmanager
+def named_errors(inner: Inner, where: str, when: str):
+  """Turn what ``inner`` raises into a `TypeError` naming it (`refused`); jpack's own
+  `TypeError`s pass as they are."""
+  try:
+    yield
+  except TypeError as e:
+    if "jpack" in str(e):
+      raise
+    raise refused(e, inner, where, when) from e
+  except Exception as e:  # noqa: BLE001 - named in the refusal
+    raise refused(e, inner, where, when) from e
 
 
 # -- shared with the sharded optimizer -------------------------------------------------

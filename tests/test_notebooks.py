@@ -1,7 +1,8 @@
-"""The tutorial notebooks in docs/notebooks/: committed with their outputs, executed by CI.
+"""The tutorial notebooks in notebooks/: committed with their outputs, executed by CI.
 
 The notebooks are committed executed, so that GitHub and the documentation site (which
-renders them with mkdocs-jupyter, without executing them) show their tables and plots.
+renders them with mkdocs-jupyter, without executing them, through the docs/notebooks
+symlink) show their tables and plots.
 The tests:
 
 * `test_committed_outputs_are_current` (no execution): every code cell carries the
@@ -12,7 +13,7 @@ The tests:
   then the cell that asks for 8 simulated CPU devices, after a markdown cell explaining
   it; no `assert` in any cell.
 * `test_notebook_runs`: every notebook runs top to bottom in a fresh Jupyter kernel (a
-  separate process, cwd docs/notebooks/, which sets up its own simulated devices: this
+  separate process, cwd notebooks/, which sets up its own simulated devices: this
   process's JAX set-up in conftest.py does not reach it). Then, in the same kernel, the
   cells of `CHECKS` verify what the notebook shows against references computed
   independently with numpy or plain JAX: the notebooks stay tutorial prose.
@@ -45,7 +46,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-NOTEBOOKS_DIR = ROOT / "docs" / "notebooks"
+NOTEBOOKS_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 KERNEL = "python3"
 CELL_TIMEOUT = 600
@@ -274,7 +275,7 @@ for _n_leaves in NS:
 
 # 2: what the notebook plots is the committed results file.
 import json as _json
-_file = pathlib.Path.cwd().parents[1] / "benchmarks" / "results" / "step.json"
+_file = pathlib.Path.cwd().parent / "benchmarks" / "results" / "step.json"
 _doc = _json.loads(_file.read_text())
 _rows = _doc["tables"][0]["rows"]
 assert names == [r["cells"]["variant"] for r in _rows]
@@ -430,6 +431,8 @@ def write_executed(nb, path):
 
 
 def test_notebooks_exist():
+  # The site renders them from docs/notebooks, a link to the top-level folder.
+  assert (ROOT / "docs" / "notebooks").resolve() == NOTEBOOKS_DIR.resolve()
   assert {p.name for p in NOTEBOOKS} == {
       "quickstart.ipynb", "data_parallel.ipynb", "zero1.ipynb", "benchmarks.ipynb",
       "flax_cnn.ipynb"}

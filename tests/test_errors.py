@@ -1,0 +1,215 @@
+"""What a new user trips on gets an error that names the fix: a loss that does not fit
+``has_state`` / ``has_aux``, model state in the params, a state that ``step`` donated."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jpack
+
+
+def init_model(key):
+  """A small real model: dense -> batch norm -> relu -> dense, in plain JAX."""
+  k1, k2 = jax.random.split(key)
+  params = {"dense1": {"w": jax.random.normal(k1, (5, 16)) * 0.3},
+            "bn": {"scale": jnp.ones(16), "offset": jnp.zeros(16)},
+            "dense2": {"w": jax.random.normal(k2, (16, 3)) * 0.3, "b": jnp.zeros(3)}}
+  # As Haiku's BatchNorm keeps it: running averages, and an int32 counter.
+  state = {"bn": {"mean": jnp.zeros(16), "var": jnp.ones(16),
+                  "counter": jnp.zeros((), jnp.int32)}}
+  return params, state
+
+
+def apply(params, state, x):
+  h = x @ params["dense1"]["w"]
+  mean, var = h.mean(0), h.var(0)
+  h = (h - mean) / jnp.sqrt(var + 1e-5) * params["bn"]["scale"] + params["bn"]["offset"]
+  logits = jax.nn.relu(h) @ params["dense2"]["w"] + params["dense2"]["b"]
+  bn = state["bn"]
+  new = {"bn": {"mean": 0.9 * bn["mean"] + 0.1 * mean, "var": 0.9 * bn["var"] + 0.1 * var,
+                "counter": bn["counter"] + 1}}
+  return logits, new
+
+
+def stateful_loss(params, model_state, batch):
+  x, y = batch
+  logits, new = apply(params, model_state, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new
+
+
+def plain_loss(params, batch):
+  return stateful_loss(params, init_model(jax.random.key(0))[1], batch)[0]
+
+
+def data(rows=16):
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(rows, 5)).astype(np.float32),
+          rng.integers(0, 3, rows).astype(np.int32))
+
+
+def build(loss, mode="packed", **flags):
+  params, _ = init_model(jax.random.key(0))
+  return jpack.data_parallel(loss, optax.adam(1e-2), params, mode=mode, **flags)
+
+
+# -- the loss's signature, at build time -------------------------------------------------
+
+
+class StatefulLoss:
+  def __call__(self, params, model_state, batch):
+    return stateful_loss(params, model_state, batch)
+
+
+def loss_with_model(params, model_state, batch, *, model):
+  del model
+  return stateful_loss(params, model_state, batch)
+
+
+@pytest.mark.parametrize("loss", [
+    stateful_loss, StatefulLoss(), functools.partial(loss_with_model, model="net"),
+    jax.jit(stateful_loss)], ids=["function", "callable", "partial", "jit"])
+def test_a_loss_that_takes_a_model_state_without_has_state_names_the_flag(loss):
+  # Python's own error would be "missing 1 required positional argument", at the step.
+  with pytest.raises(TypeError, match=r"takes 3 arguments, but data_parallel was built "
+                     r"without has_state=True.*'model_state' is the model's state.*"
+                     r"pass has_state=True"):
+    build(loss)
+
+
+def test_has_state_with_a_loss_that_takes_none_names_the_flag():
+  with pytest.raises(TypeError, match=r"loss_fn\(params, batch\) takes 2 arguments, but "
+                     r"data_parallel\(\.\.\., has_state=True\) calls loss_fn\(params, "
+                     r"model_state, batch\)\. Drop has_state=True"):
+    build(plain_loss, has_state=True)
+
+
+def test_a_loss_with_other_required_arguments_is_told_to_bind_them():
+  def loss(params, batch, rng, temperature):
+    return plain_loss(params, batch)
+
+  with pytest.raises(TypeError, match=r"cannot be called as loss_fn\(params, batch\).*"
+                     r"functools\.partial"):
+    build(loss)
+  with pytest.raises(TypeError, match=r"loss_fn must be callable, got dict"):
+    build({"loss": plain_loss})
+
+
+def test_a_loss_taking_args_is_checked_when_the_step_traces():
+  # *args hides the signature from inspect: Python's error, with a note naming the flag.
+  def wrapped(*args):
+    return stateful_loss(*args)
+
+  dp = build(wrapped)
+  state = dp.init(init_model(jax.random.key(0))[0])
+  with pytest.raises(TypeError, match=r"missing 1 required positional argument(.|\n)*"
+                     r"If loss_fn's own signature refused this call: with has_state=False, "
+                     r"has_aux=False, data_parallel calls loss_fn\(params, batch\)(.|\n)*"
+                     r"needs has_state=True"):
+    dp.step(state, data())
+
+
+# -- what the loss returns, when the step traces ----------------------------------------
+
+
+def _step_once(loss, mode="packed", **flags):
+  params, model_state = init_model(jax.random.key(0))
+  dp = build(loss, mode=mode, **flags)
+  state = dp.init(params, model_state) if flags.get("has_state") else dp.init(params)
+  return dp.step(state, data())
+
+
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
+def test_a_loss_returning_metrics_without_has_aux_names_the_flag(mode):
+  def loss(params, batch):
+    return plain_loss(params, batch), {"accuracy": 1.0}
+
+  # JAX's own error: "Gradient only defined for scalar-output functions".
+  with pytest.raises(TypeError, match=r"loss_fn returned a tuple of 2 where the loss goes, "
+                     r"but with has_state=False, has_aux=False, data_parallel calls "
+                     r"loss_fn\(params, batch\) and takes back the scalar loss: a loss that "
+                     r"also returns metrics needs has_aux=True"):
+    _step_once(loss, mode)
+
+
+def test_state_and_metrics_without_has_aux_names_the_flag():
+  def loss(params, model_state, batch):
+    value, new = stateful_loss(params, model_state, batch)
+    return value, (new, {"accuracy": 1.0})
+
+  with pytest.raises(TypeError, match=r"returned \(loss, \(new_model_state, aux\)\).*"
+                     r"pass has_aux=True"):
+    _step_once(loss, has_state=True)
+
+
+def test_has_aux_without_metrics_names_the_flag_to_drop():
+  with pytest.raises(TypeError, match=r"loss_fn returned an array of shape \(\), but with "
+                     r"has_state=False, has_aux=True.*takes back \(loss, aux\): if it "
+                     r"returns no aux, drop has_aux=True"):
+    _step_once(plain_loss, has_aux=True)
+  with pytest.raises(TypeError, match=r"loss_fn returned \(loss, rest\) with rest a dict, "
+                     r"but with has_state=True, has_aux=True.*drop has_aux=True"):
+    _step_once(stateful_loss, has_state=True, has_aux=True)
+
+
+def test_a_model_state_that_is_a_pair_is_not_mistaken_for_state_and_aux():
+  # (mean, counter): a tuple of two, shaped like the state it replaces.
+  def loss(params, model_state, batch):
+    mean, counter = model_state
+    value, new = stateful_loss(params, {"bn": {"mean": mean, "var": jnp.ones(16),
+                                               "counter": counter}}, batch)
+    return value, (new["bn"]["mean"], new["bn"]["counter"])
+
+  params, _ = init_model(jax.random.key(0))
+  dp = build(loss, has_state=True)
+  state = dp.init(params, (jnp.zeros(16), jnp.zeros((), jnp.int32)))
+  state, metrics = dp.step(state, data())
+  assert int(state.model_state[1]) == 1 and np.isfinite(float(metrics["loss"]))
+
+
+# -- model state in the params ----------------------------------------------------------
+
+
+def test_model_state_in_the_params_is_sent_to_has_state():
+  params, model_state = init_model(jax.random.key(0))
+  merged = {**params, "bn": {**params["bn"], **model_state["bn"]}}  # Haiku's state, merged
+  with pytest.raises(TypeError, match=r"Param leaf at \['bn'\]\['counter'\] has dtype int32;"
+                     r".*looks like model state.*pass it apart, as model_state, with "
+                     r"data_parallel\(\.\.\., has_state=True\)"):
+    jpack.data_parallel(plain_loss, optax.adam(1e-2), merged)
+
+
+def test_a_prng_key_in_the_params_is_sent_to_has_state():
+  params, _ = init_model(jax.random.key(0))
+  params["dropout"] = {"rng": jax.random.key(1)}
+  with pytest.raises(TypeError, match=r"Param leaf at \['dropout'\]\['rng'\] has dtype "
+                     r"key<threefry2x32>;.*PRNG-key leaf.*has_state=True"):
+    jpack.data_parallel(plain_loss, optax.adam(1e-2), params, mode="sharded")
+
+
+# -- a donated state --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
+def test_reading_a_donated_state_says_step_donated_it(mode):
+  params, model_state = init_model(jax.random.key(0))
+  dp = build(stateful_loss, mode=mode, has_state=True)
+  first = dp.init(params, model_state)
+  second, _ = dp.step(first, data())
+  stats = second.model_state                      # read before the next step: not a copy
+  kept = jax.device_get(second.model_state["bn"]["counter"])  # a host copy: survives it
+  third, _ = dp.step(second, data())
+  with pytest.raises(RuntimeError, match=r"already passed to step\(\), which donates the "
+                     r"whole state \(params, opt_state, step and model_state\).*Read the "
+                     r"state step\(\) returned, or copy"):
+    dp.params(second)
+  with pytest.raises(RuntimeError, match=r"already passed to step\(\).*Use the state step\(\) "
+                     r"returned"):
+    dp.step(second, data())
+  with pytest.raises(RuntimeError, match="deleted"):  # JAX's own, as TrainState says
+    np.asarray(stats["bn"]["mean"])
+  assert int(kept) == 1 and int(third.model_state["bn"]["counter"]) == 2
+  jax.tree.map(np.asarray, dp.params(third))

@@ -202,8 +202,29 @@ def goals(results: dict[str, Result], grad_bytes: int) -> dict[str, dict[str, bo
   return out
 
 
-def run_workload(name: str, variants: list[str], report: c.Report) -> dict[str, Result]:
-  model = models.full_size(name)
+def user_model(spec: str) -> models.Model:
+  """``--model MODULE:FUNCTION``: ``FUNCTION()`` returns ``(params, loss_fn, batch)``,
+  the params (arrays or `jax.ShapeDtypeStruct`s), ``loss_fn(params, batch)`` on one
+  device's batch, and one device's batch (arrays or ShapeDtypeStructs, rows first)."""
+  import importlib
+
+  module, _, function = spec.partition(":")
+  if not function:
+    raise SystemExit(f"--model takes MODULE:FUNCTION, got {spec!r}")
+  params, loss, batch = getattr(importlib.import_module(module), function)()
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
+
+  def batch_like(rows: int) -> Any:  # rows = the global batch: NUM_GPUS x one device's
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * NUM_GPUS,) + x.shape[1:],
+                                                       x.dtype), like)
+
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+  return models.Model(spec, spec, params, loss, lambda n: None, batch_like)
+
+
+def run_workload(name: str, variants: list[str], report: c.Report,
+                 model: models.Model | None = None) -> dict[str, Result]:
+  model = model or models.full_size(name)
   mesh = gpu_mesh()
   grad_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
                    for x in jax.tree.leaves(model.params))
@@ -257,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="comma-separated, from: " + ", ".join(models.FULL_SIZE))
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="comma-separated, from: " + ", ".join(VARIANTS))
+  parser.add_argument("--model", metavar="MODULE:FUNCTION",
+                      help="your own model instead of the workloads: FUNCTION() returns "
+                           "(params, loss_fn, one device's batch)")
   parser.add_argument("--quick", action="store_true",
                       help="gpt2_small only, the floor, per-leaf and the three modes")
   c.add_output_args(parser, "gpu_compile")
@@ -270,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
   c.check_workload_names(workloads, "--workloads")
   report = c.Report("Data-parallel steps compiled for 8 H100s (not run)", "gpu_compile",
                     sys.argv[1:] if argv is None else argv)
-  report.text(c.banner("gpu_compile", [f"target: {TARGET.name}, 8 devices, "
-                                       f"{ROWS_PER_DEVICE} rows per device, adamw"]))
-  for name in workloads:
+  report.parts.append(c.banner("gpu_compile", [f"target: {TARGET.name}, 8 devices, "
+                                               f"{ROWS_PER_DEVICE} rows per device, adamw"]))
+  if args.model:
+    run_workload(args.model, variants, report, user_model(args.model))
+  for name in [] if args.model else workloads:
     run_workload(name, variants, report)
   report.write(args)
   return 0

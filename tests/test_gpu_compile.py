@@ -155,3 +155,19 @@ def test_gpu_layout_keeps_matrices_whole_and_pads_only_for_zero1(mesh, mode, sha
     if len(slot.shape) >= 2:  # read back as a bitcast, never copied out for a matmul
       assert len(bucket.slots) == 1 and slot.offset == 0
       assert bucket.size == np.prod(slot.shape)
+
+
+def test_your_own_model_in_one_command(tmp_path, monkeypatch, capsys):
+  # docs/gpu.md: PYTHONPATH=docs/examples python -m benchmarks gpu_compile --model ...
+  import json
+  import pathlib
+
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "docs" / "examples"))
+  out = tmp_path / "mine.json"
+  assert gpu_compile.main(["--model", "gpu_model:model", "--variants",
+                           "floor,per_leaf,packed", "--json", str(out)]) == 0
+  rows = [r["values"] for t in json.loads(out.read_text())["tables"] for r in t["rows"]
+          if "kernels" in r["values"]]
+  assert [r["key"] for r in rows] == ["floor", "per_leaf", "packed"]
+  assert rows[2]["kernels"] < rows[1]["kernels"]
+  assert "gpu_model:model" in capsys.readouterr().out

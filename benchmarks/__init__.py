@@ -10,6 +10,7 @@ machine and the command line, to ``benchmarks/results/<name>.json`` (``--json PA
 - ``collectives``: packed pmean vs per-leaf pmean vs the single-array floor (8 CPU devices).
 - ``step``: a whole data-parallel training step, jpack against plain shard_map steps.
 - ``checkpoint``: step time with an Orbax checkpoint every 10 steps against none.
+- ``gpu_compile``: steps compiled for 8 simulated H100s (needs the CUDA plugin, no GPU).
 
 ``python -m benchmarks all`` runs each in its own process (each sets up its own devices);
 a name in `BENCHMARKS` whose module is absent is skipped.
@@ -21,4 +22,5 @@ BENCHMARKS = (
     "step",
     "optimizer",
     "checkpoint",
+    "gpu_compile",
 )

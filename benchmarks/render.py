@@ -43,7 +43,7 @@ Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
 
 def load_results(results_dir: pathlib.Path = RESULTS_DIR,
                  names: Iterable[str] = ("step", "collectives", "pack", "optimizer",
-                                         "checkpoint")
+                                         "checkpoint", "gpu_compile")
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
   found = {}
@@ -316,6 +316,43 @@ def render_checkpoint(results: Results) -> str:
                        machine_line(doc)])
 
 
+GPU_COLUMNS = ("variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
+               "overlapped", "temp MiB", "args MiB", "removed: kernels / HBM",
+               "lower + compile s")
+
+
+def render_gpu_compile(results: Results) -> str:
+  """Every workload's steps compiled for 8 H100s, then the goals of the default and
+  ZeRO-1 modes, one row per workload and mode."""
+  doc = results.get("gpu_compile")
+  tables = _tables(doc, "variant", "kernels", "HBM MiB (est.)") if doc else []
+  if not tables:
+    return _missing("gpu_compile")
+  parts = []
+  for table in tables:
+    parts += [f"**{table['title']}**", _select(table, GPU_COLUMNS)]
+  goals: dict[tuple[str, str], dict[str, str]] = {}
+  names: list[str] = []
+  for table in _tables(doc, "mode", "goal", "result"):
+    for row in table["rows"]:
+      v = row["values"]
+      goals.setdefault((v["workload"], row["cells"]["mode"]), {})[v["goal"]] = \
+          row["cells"]["result"]
+      if v["goal"] not in names:
+        names.append(v["goal"])
+  if goals:
+    parts += ["**Goals of the default and the ZeRO-1 mode, per workload**",
+              markdown_table(["workload", "mode", *names],
+                             [[w, m, *(g.get(n, "") for n in names)]
+                              for (w, m), g in goals.items()])]
+  m = doc.get("machine", {})
+  versions = ", ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "optax", "python") if k in m)
+  parts.append(f"Compiled for 8 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
+               f"{m.get('cpu', 'unknown CPU')} ({m.get('cores', '?')} cores); {versions}. "
+               f"Command: `{doc.get('command', '?')}`.")
+  return "\n\n".join(parts)
+
+
 RENDERERS: dict[str, Callable[[Results], str]] = {
     "readme": render_readme,
     "step": render_step,
@@ -324,6 +361,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "pack": render_pack,
     "optimizer": render_optimizer,
     "checkpoint": render_checkpoint,
+    "gpu_compile": render_gpu_compile,
 }
 
 

@@ -354,7 +354,8 @@ def _zero1_sharding(x: jax.ShapeDtypeStruct, mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def _jit_step(model: Model, mesh, zero1: bool = False) -> Step:
+def _jit_step(model: Model, mesh, zero1: bool = False,
+              optimizer: optax.GradientTransformation | None = None) -> Step:
   """Data parallelism as plain ``jax.jit`` gives it, without shard_map: a step over
   global arrays, params replicated and the batch split by their shardings, so XLA
   partitions it and inserts the gradient all-reduces itself. With ``zero1`` the
@@ -366,7 +367,7 @@ def _jit_step(model: Model, mesh, zero1: bool = False) -> Step:
   same collectives and update; under ZeRO-1 they differ only in how the reported
   gradient norm is summed (an Auto mesh adds a small all-reduce for it).
   """
-  tx = optax.chain(_record_norm(), optax.adam(LEARNING_RATE))
+  tx = optax.chain(_record_norm(), optimizer or optax.adam(LEARNING_RATE))
   replicated = NamedSharding(mesh, P())
   params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                              model.params)

@@ -429,3 +429,40 @@ def bound_in_flight(devices: list[Any]) -> Callable[[Any], Any]:
       queued.popleft().block_until_ready()
 
   return bounded
+
+
+# -- the data-parallel step's defaults on GPUs -------------------------------------------
+
+# jpack has bucketed already, and XLA:GPU's combiners would merge its buckets again. The
+# all-reduce combiner concatenates their operands into one buffer and slices the result
+# back out: two copies of the gradient per step. The reduce-scatter combiner merges
+# ZeRO-1's buckets into a few reduce-scatters that wait for most of the backward pass,
+# so that no update and no all-gather overlaps it. (Merged all-gathers cost neither.)
+GPU_STEP_COMPILER_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": 0,
+                             "xla_gpu_reduce_scatter_combine_threshold_bytes": 0}
+# On GPUs a bucket only needs vector-load alignment; 256 bytes would pad a big leaf's own
+# bucket past the leaf (GPT-2's 50257 x 768 embedding) and turn reading it back, a
+# bitcast, into a copy.
+GPU_ALIGN_BYTES = 16
+# XLA:GPU's matmul and convolution kernels do not read an operand out of a bigger buffer:
+# a weight sliced from a shared bucket is copied for the forward pass every step. In a
+# bucket of its own, reading it back is a bitcast. (Vectors, read by elementwise
+# kernels, share buckets: their slices fuse into the kernels that read them.)
+GPU_SOLO_NDIM = 2
+
+
+def step_defaults(devices: Any, sharded: bool, n: int) -> tuple[dict[str, Any],
+                                                                  dict[str, Any]]:
+  """``(plan options, compiler options)`` of `jpack.data_parallel`'s step on ``devices``.
+
+  On CPU devices (and TPUs): buckets padded to a multiple of ``n`` (CPU reduces them by
+  reduce-scatter + all-gather), XLA's own compiler options. On GPUs: buckets padded for
+  ZeRO-1's equal shards only, offsets aligned to `GPU_ALIGN_BYTES`, every matrix (and
+  higher-rank leaf) in a bucket of its own (`GPU_SOLO_NDIM`), and XLA's
+  all-reduce and reduce-scatter combiners off (`GPU_STEP_COMPILER_OPTIONS`). A user's
+  plan options win.
+  """
+  if any(d.platform != "gpu" for d in devices):
+    return {"num_shards": n}, {}
+  return ({"num_shards": n if sharded else 1, "align_bytes": GPU_ALIGN_BYTES,
+           "solo_ndim": GPU_SOLO_NDIM}, dict(GPU_STEP_COMPILER_OPTIONS))

@@ -232,6 +232,7 @@ def plan(
     reverse: bool = True,
     group_fn: GroupFn | None = None,
     solo_bytes: int | None = DEFAULT_SOLO_BYTES,
+    solo_ndim: int | None = None,
 ) -> Layout:
   """Plan how to pack ``tree`` into per-dtype, aligned flat buckets.
 
@@ -257,6 +258,10 @@ def plan(
     solo_bytes: a leaf of at least this many bytes gets a bucket of its own (packing it
       is then a reshape, not a copy); the open bucket of its group stays open for the
       next leaves. Default 1 MiB; ``None`` to pack big leaves with others like any leaf.
+    solo_ndim: a leaf of at least this many dimensions gets a bucket of its own, whatever
+      its size (``None``, the default: none). ``jpack.data_parallel`` sets 2 on GPUs,
+      where a matmul reads its weight from its own bucket, but would copy it out of a
+      shared one.
 
   Returns:
     A hashable `Layout`.
@@ -276,7 +281,7 @@ def plan(
     [('float32', 16), ('int32', 4)]
   """
   options = _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes,
-                           num_shards, solo_bytes)
+                           num_shards, solo_bytes, solo_ndim)
   if group_fn is not None and not callable(group_fn):
     raise TypeError(f"group_fn must be a function (path, leaf) -> label, got "
                     f"{type(group_fn).__name__}.")
@@ -324,6 +329,7 @@ class _Options(NamedTuple):
   align_bytes: int
   num_shards: int
   solo_bytes: int | None
+  solo_ndim: int | None
 
 
 # What plan reads from one leaf: (path, shape, dtype, size, label). ``path`` is the
@@ -402,12 +408,12 @@ def _assign(specs: list[_LeafSpec], order: range,
   Returns:
     ``(bucket, offset)`` per leaf, and the buckets in the order they were opened.
   """
-  bucket_bytes, first_cap, max_leaves, align_bytes, _, solo_bytes = options
+  bucket_bytes, first_cap, max_leaves, align_bytes, _, solo_bytes, solo_ndim = options
   placements = [(0, 0)] * len(specs)
   fills: list[_Fill] = []
   groups: dict[tuple[Any, str | None], _GroupState] = {}
   for i in order:
-    _, _, dtype, size, label = specs[i]
+    _, shape, dtype, size, label = specs[i]
     group = (dtype, label)
     state = groups.get(group)
     if state is None:
@@ -415,7 +421,8 @@ def _assign(specs: list[_LeafSpec], order: range,
       state = groups[group] = _GroupState(storage,
                                           _align_elements(align_bytes, storage.itemsize))
     itemsize = state.storage.itemsize
-    solo = solo_bytes is not None and size * itemsize >= solo_bytes
+    solo = ((solo_bytes is not None and size * itemsize >= solo_bytes) or
+            (solo_ndim is not None and len(shape) >= solo_ndim and size > 0))
     fill = None if solo else state.open
     start = 0
     if fill is not None:
@@ -461,7 +468,7 @@ def _finalize(treedef: Any, specs: list[_LeafSpec], placements: list[tuple[int, 
 
 
 def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, num_shards,
-                   solo_bytes) -> _Options:
+                   solo_bytes, solo_ndim=None) -> _Options:
   """The options as Python ints (numpy ints would not serialise to JSON), or ValueError."""
   def positive_int(name, value, allow_none=False):
     if value is None and allow_none:
@@ -478,7 +485,8 @@ def _check_options(bucket_bytes, first_bucket_bytes, max_leaves, align_bytes, nu
       positive_int("max_leaves", max_leaves, allow_none=True),
       positive_int("align_bytes", align_bytes),
       positive_int("num_shards", num_shards),
-      positive_int("solo_bytes", solo_bytes, allow_none=True))
+      positive_int("solo_bytes", solo_bytes, allow_none=True),
+      positive_int("solo_ndim", solo_ndim, allow_none=True))
   if options.align_bytes & (options.align_bytes - 1):
     raise ValueError(f"align_bytes must be a power of two, got {options.align_bytes}; "
                      "try 256 (CUDA's allocation alignment) or 64 (a cache line).")

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jpack import _cpu as cpu
 from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
                                 reduce_scatter, shard)
 from jpack._internal import sum_of_squares
@@ -25,7 +26,8 @@ from jpack._pack import Packed, pack
 from jpack._probe import checker
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
-from jpack._transforms import (after, layout_of_masters, layout_state_repr, named_errors,
+from jpack._transforms import (after, after_neighbours, layout_of_masters, layout_state_repr,
+                               named_errors,
                                pack_like, unpack_as_returned, update_buckets,
                                value_scalars)
 
@@ -159,7 +161,16 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     else:
       grads = reduce_scatter(packed, axis_name, mean=True, comm_dtype=comm_dtype)
     norm = jnp.sqrt(lax.psum(sum_of_squares(grads.buckets), axis_name))
-    grads = after(grads, norm, *value_scalars(extra_args.get("value")))
+    values = value_scalars(extra_args.get("value"))
+    # Each update must come after the backward pass's last read of its params (else XLA
+    # guards the donated bucket with a copy). On CPU it waits for the global norm. On
+    # GPUs that would hold every update and all-gather back until the last bucket's
+    # reduce-scatter, and split the norm into kernels of its own; there each bucket
+    # waits for its neighbours' gradients instead, as in `flat`, and the norm fuses
+    # into the updates.
+    grads = Shards(tuple(cpu.choose(lambda b: list(after(b, norm, *values)),
+                                    lambda b: after_neighbours(b, *values),
+                                    grads.buckets)), grads.layout)
     local_params = None
     if params is not None:
       local_params = pack_like(params, layout, "params")

@@ -58,7 +58,14 @@ class TrainState(NamedTuple):
 
 
 class DataParallel(NamedTuple):
-  """The pair of functions `data_parallel` builds (like an optax transformation)."""
+  """The pair of functions `data_parallel` builds (like an optax transformation).
+
+  ``step.lower(state, batch)`` lowers the step as its own ``jax.jit`` does (compiler
+  options included) without running it, on arrays or on `jax.ShapeDtypeStruct`s
+  (``jax.eval_shape(dp.init, params)`` gives the state's): ``.compile().as_text()`` is
+  the program XLA runs, also for a mesh of devices that are not attached (see
+  docs/gpu.md).
+  """
   init: Callable[[Any], TrainState]                # params -> replicated TrainState
   step: Callable[[TrainState, Any], tuple[TrainState, dict]]  # (state, batch) -> new, metrics
   params: Callable[[TrainState], Any]              # state -> params as the original tree
@@ -178,7 +185,8 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                     "label itself (pass labels= with a dict of optimizers, or a plain "
                     "optimizer).")
   n = mesh.shape[axis_name]
-  plan_options = {"num_shards": n, **plan_options}
+  defaults, compiler_options = cpu.step_defaults(mesh.devices.flat, mode == "sharded", n)
+  plan_options = {**defaults, **plan_options}
   narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
   layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
   _check_trainable(layout)
@@ -214,9 +222,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   # What init takes: the params as params_like describes them (full precision).
   init_layout = layout if param_dtype is None else plan(params_like, **plan_options)
-  build = _build_pmap if use_pmap else _build_shard_map
-  dp = build(local_init, local_step, to_tree, params_like, init_layout, axis_name, mesh,
-             mode, accumulate, has_state)
+  if use_pmap:
+    dp = _build_pmap(local_init, local_step, to_tree, params_like, init_layout, axis_name,
+                     mesh, mode, accumulate, has_state)
+  else:
+    dp = _build_shard_map(local_init, local_step, to_tree, params_like, init_layout,
+                          axis_name, mesh, mode, accumulate, has_state, compiler_options)
   return dp._replace(layout=layout)
 
 
@@ -265,7 +276,7 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
 
 
 def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                     mode, accumulate, has_state) -> DataParallel:
+                     mode, accumulate, has_state, compiler_options) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.shard_map`: the state
   replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
   replicated = NamedSharding(mesh, P())
@@ -279,7 +290,8 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
 
   init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=state_specs))
   step_sm = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(axis_name)),
-                                  out_specs=(state_specs, P())), donate_argnums=0)
+                                  out_specs=(state_specs, P())), donate_argnums=0,
+                    compiler_options=compiler_options or None)
 
   def init(params, model_state=None):
     _check_model_state(model_state, has_state)
@@ -326,6 +338,14 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
     bounded(out[1]["loss"])
     return out
 
+  def lower(state, batch):
+    # The step's own jit (with its compiler options), on abstract values or arrays.
+    batch = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) and x.sharding
+                         else jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                   sharding=batch_sharding), batch)
+    return step_sm.lower(state, batch)
+
+  step.lower = lower
   # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
   # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
   tree_of = to_tree if mode != "allreduce" else jax.jit(to_tree)

@@ -171,6 +171,25 @@ def test_default_solo_bytes_is_one_mib():
   assert len(jpack.plan(tree, reverse=False, solo_bytes=None).buckets) == 1
 
 
+def test_solo_ndim_gives_every_matrix_its_own_bucket():
+  # Two matrices and three vectors: each matrix alone (whatever its size), the vectors
+  # together; an empty matrix takes no bucket of its own.
+  tree = [sds(10), sds(4, 4), sds(10), sds(2, 3, 2), sds(10), sds(0, 4)]
+  layout = jpack.plan(tree, align_bytes=4, solo_ndim=2, reverse=False)
+  assert sorted(sorted(layout.slots[j].shape for j in b.slots) for b in layout.buckets) == [
+      [(0, 4), (10,), (10,), (10,)], [(2, 3, 2)], [(4, 4)]]
+  for i in (1, 3):  # alone and unpadded: reading it back is a reshape
+    b = layout.buckets[layout.slots[i].bucket]
+    assert b.size == np.prod(tree[i].shape) and layout.slots[i].offset == 0
+  assert len(jpack.plan(tree, align_bytes=4, reverse=False).buckets) == 1
+  back = jpack.unpack(jpack.pack([np.full(s.shape, i, np.float32) for i, s in enumerate(tree)],
+                                 layout))
+  for i, s in enumerate(tree):
+    np.testing.assert_array_equal(back[i], np.full(s.shape, i, np.float32))
+  with pytest.raises(ValueError, match="solo_ndim must be a positive int"):
+    jpack.plan(tree, solo_ndim=0)
+
+
 def test_group_fn_separates_labels():
   tree = {"dense": {"kernel": sds(4, 4), "bias": sds(4)}, "norm": {"scale": sds(4)}}
   layout = jpack.plan(tree, group_fn=lambda path, leaf: "decay" if len(leaf.shape) > 1

@@ -1,0 +1,308 @@
+"""Data-parallel steps compiled for 8 H100s on any machine: jpack against XLA's own.
+
+No GPU is needed: JAX's CUDA plugin compiles for a GPU described by a target config
+(`benchmarks/targets/h100_sxm.txtpb`) over a simulated topology of 8 of them. What comes
+back is the scheduled GPU program, which this benchmark reads (``_hlo.analyze_program``):
+
+  kernels       fusions, custom calls, copies and collectives the step launches
+  HBM           an estimate of memory traffic: each kernel reads its operands and
+                writes its result once
+  copy-only     bytes written by kernels that only move bytes (concatenates, slices,
+                pads, copies)
+  collectives   count, dtype and bytes; "overlapped" counts those with a compute kernel
+                scheduled between their start and their done
+  temp / args   ``compiled.memory_analysis()`` per device
+
+Nothing runs: these are properties of the program, not timings. The variants, all with
+``optax.adamw`` on the same real model (`benchmarks.models`, at the size of its shape
+table) and 8-way data parallelism:
+
+  floor         loss + gradients + an SGD update, no reduction: what every step contains
+  per_leaf      a shard_map step with one ``lax.pmean`` per gradient leaf
+  jit           plain ``jax.jit`` with the batch split by ``NamedSharding``
+  jit_zero1     the same with adamw's state split over the devices by its shardings
+  allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
+  packed_bf16_params, sharded_bf16_params    ``param_dtype=jnp.bfloat16`` (f32 masters)
+  packed_acc4, sharded_acc4     ``accumulate=4``
+
+"removed" is the share of per-leaf's kernels (and HBM bytes) above the floor that a
+variant does not have: 100 % is the floor itself, 0 % is per-leaf, below 0 is worse.
+
+  python -m benchmarks gpu_compile                         # every workload, every variant
+  python -m benchmarks gpu_compile --workloads gpt2_small --variants per_leaf,packed
+
+Needs the CUDA plugin (``pip install "jax[cuda12-local]==$(python -c 'import jax;
+print(jax.__version__)')"``, about 180 MB, no NVIDIA libraries) and sets
+``JAX_PLATFORMS=cpu`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jpack  # noqa: E402
+from benchmarks import _common as c  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks import step as step_bench  # noqa: E402
+from benchmarks._hlo import Program, analyze_program  # noqa: E402
+
+AXIS = "batch"
+NUM_GPUS = 8
+TARGET = pathlib.Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"
+LEARNING_RATE = 1e-3
+ROWS_PER_DEVICE = 4  # sequences of 128 tokens, or 224x224 images, per GPU
+
+VARIANTS = {
+    "floor": "floor: grads + SGD, no reduction",
+    "per_leaf": "per-leaf pmean",
+    "jit": "jit + NamedSharding",
+    "jit_zero1": "jit, ZeRO-1 by sharding",
+    "allreduce": "jpack allreduce",
+    "packed": "jpack packed (default)",
+    "sharded": "jpack sharded (ZeRO-1)",
+    "packed_bf16_params": "jpack packed, bf16 params",
+    "sharded_bf16_params": "jpack sharded, bf16 params",
+    "packed_acc4": "jpack packed, accumulate=4",
+    "sharded_acc4": "jpack sharded, accumulate=4",
+}
+JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
+         "sharded": dict(mode="sharded"),
+         "packed_bf16_params": dict(mode="packed", param_dtype=jnp.bfloat16),
+         "sharded_bf16_params": dict(mode="sharded", param_dtype=jnp.bfloat16),
+         "packed_acc4": dict(mode="packed", accumulate=4),
+         "sharded_acc4": dict(mode="sharded", accumulate=4)}
+# Collectives this small are the loss's and the norm's scalars, not a bucket's.
+BUCKET_MIN_BYTES = 1024
+# The goals jpack's default and ZeRO-1 modes are held to on every workload.
+GOALS = {"packed": dict(kernels=0.80, hbm=0.60), "sharded": dict(kernels=0.80, hbm=0.85)}
+
+
+def gpu_mesh(n: int = NUM_GPUS) -> jax.sharding.Mesh:
+  """A 1-D mesh over ``n`` simulated H100s (compile only: nothing can run on them)."""
+  from jax.experimental import topologies
+
+  try:
+    topology = topologies.get_topology_desc("h100", "cuda",
+                                            target_config=TARGET.read_text(),
+                                            topology=f"1x1x{n}")
+  except Exception as e:  # noqa: BLE001 (jax raises several kinds when the plugin is absent)
+    raise RuntimeError(
+        "Compiling for GPUs needs JAX's CUDA plugin at jax's version: pip install "
+        "-e '.[gpu-compile]' (or 'jax[cuda12-local]==<jax version>'); JAX_PLATFORMS "
+        f"must allow it to load. ({type(e).__name__}: {e})") from e
+  return jax.sharding.Mesh(np.array(topology.devices), (AXIS,),
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _floor(model: models.Model, mesh) -> step_bench.Step:
+  """Loss, gradients and an SGD update on each device's own gradients: no reduction."""
+
+  def local(params, batch):
+    grads = jax.grad(model.loss)(step_bench._per_device(params), batch)
+    return jax.tree.map(lambda p, g: p - LEARNING_RATE * g.astype(p.dtype), params, grads)
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
+                               check_vma=False), donate_argnums=0)
+  return step_bench.Step(lambda p: jax.device_put(p, NamedSharding(mesh, P())), step,
+                         lambda p: p)
+
+
+def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
+  """Variant ``key``'s ``(init, step)``: init maps params to the step's state."""
+  tx = optax.adamw(LEARNING_RATE)
+  if key in JPACK:
+    dp = jpack.data_parallel(model.loss, tx, model.params, mesh, axis_name=AXIS, **JPACK[key])
+    return dp.init, dp.step
+  if key == "floor":
+    s = _floor(model, mesh)
+  elif key == "per_leaf":
+    s = step_bench._plain_step(model, mesh, optax.stateless(step_bench._per_leaf_pmean), tx)
+  elif key in ("jit", "jit_zero1"):
+    s = step_bench._jit_step(model, mesh, zero1=key == "jit_zero1", optimizer=tx)
+  else:
+    raise ValueError(f"unknown variant {key!r}")
+  return s.init, s.step
+
+
+@dataclasses.dataclass
+class Result:
+  key: str
+  program: Program
+  temp_bytes: int
+  arg_bytes: int
+  lower_s: float
+  compile_s: float
+  hlo: str = dataclasses.field(repr=False, default="")
+
+
+def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DEVICE
+                    ) -> Result:
+  """Lower and compile variant ``key``'s step for the mesh, on abstract values."""
+  init, step = build(key, model, mesh)
+  state = jax.eval_shape(init, model.params)
+  batch = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(AXIS))),
+      model.batch_like(rows * mesh.shape[AXIS]))
+  # jpack's steps lower with their own jit (and its compiler options); the others'
+  # jit is wrapped around them here.
+  lower = getattr(step, "lower", None) or jax.jit(step, donate_argnums=0).lower
+  t0 = time.perf_counter()
+  lowered = lower(state, batch)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  mem = compiled.memory_analysis()
+  text = compiled.as_text()
+  return Result(key, analyze_program(text), mem.temp_size_in_bytes,
+                mem.argument_size_in_bytes, t1 - t0, t2 - t1, text)
+
+
+def removed(value: float, base: float, floor: float) -> float | None:
+  """The share of ``base - floor`` that ``value`` does not have."""
+  return None if base == floor else (base - value) / (base - floor)
+
+
+def goals(results: dict[str, Result], grad_bytes: int) -> dict[str, dict[str, bool]]:
+  """Each goal of `GOALS` (and the copy, temp and overlap goals) per mode: met or not."""
+  floor, base = results.get("floor"), results.get("per_leaf")
+  out = {}
+  for key, g in GOALS.items():
+    r = results.get(key)
+    if r is None or floor is None or base is None:
+      continue
+    fp, bp, p = floor.program, base.program, r.program
+    out[key] = {
+        f"kernels removed >= {g['kernels']:.0%}":
+            removed(p.kernels, bp.kernels, fp.kernels) >= g["kernels"],
+        f"HBM removed >= {g['hbm']:.0%}":
+            removed(p.hbm_bytes, bp.hbm_bytes, fp.hbm_bytes) >= g["hbm"],
+        "copy-only bytes above floor <= 1 gradient":
+            p.copy_bytes - fp.copy_bytes <= grad_bytes,
+        "temp <= per-leaf": r.temp_bytes <= base.temp_bytes,
+        "every bucket's collective overlapped": all(
+            x.overlapped for x in p.collectives if x.bytes > BUCKET_MIN_BYTES),
+    }
+  return out
+
+
+def user_model(spec: str) -> models.Model:
+  """``--model MODULE:FUNCTION``: ``FUNCTION()`` returns ``(params, loss_fn, batch)``,
+  the params (arrays or `jax.ShapeDtypeStruct`s), ``loss_fn(params, batch)`` on one
+  device's batch, and one device's batch (arrays or ShapeDtypeStructs, rows first)."""
+  import importlib
+
+  module, _, function = spec.partition(":")
+  if not function:
+    raise SystemExit(f"--model takes MODULE:FUNCTION, got {spec!r}")
+  params, loss, batch = getattr(importlib.import_module(module), function)()
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
+
+  def batch_like(rows: int) -> Any:  # rows = the global batch: NUM_GPUS x one device's
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * NUM_GPUS,) + x.shape[1:],
+                                                       x.dtype), like)
+
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+  return models.Model(spec, spec, params, loss, lambda n: None, batch_like)
+
+
+def run_workload(name: str, variants: list[str], report: c.Report,
+                 model: models.Model | None = None) -> dict[str, Result]:
+  model = model or models.full_size(name)
+  mesh = gpu_mesh()
+  grad_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(model.params))
+  results: dict[str, Result] = {}
+  for key in variants:
+    if key.endswith("bf16_params") and all(jnp.dtype(x.dtype).itemsize == 2
+                                           for x in jax.tree.leaves(model.params)
+                                           if x.ndim == 2):
+      continue  # its weights are bf16 already
+    print(f"  {name}: compiling {key} ...", flush=True)
+    results[key] = compile_variant(key, model, mesh)
+  table = c.Table(["variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
+                   "overlapped", "temp MiB", "args MiB", "removed: kernels / HBM",
+                   "lower + compile s"],
+                  title=f"{name}: {model.describe}, {model.num_leaves} leaves, "
+                        f"{model.num_params / 1e6:.1f} M params; compiled for 8 H100s, not run")
+  floor, base = results.get("floor"), results.get("per_leaf")
+  for key, r in results.items():
+    p = r.program
+    share = "-"
+    kr = hr = None
+    if floor and base and key not in ("floor", "per_leaf"):
+      kr = removed(p.kernels, base.program.kernels, floor.program.kernels)
+      hr = removed(p.hbm_bytes, base.program.hbm_bytes, floor.program.hbm_bytes)
+      share = f"{kr:.0%} / {hr:.0%}"
+    table.add(VARIANTS[key], p.kernels, f"{p.hbm_bytes / 2**20:,.0f}",
+              f"{p.copy_bytes / 2**20:,.0f}", p.collective_summary(),
+              f"{p.overlapped}/{len(p.collectives)}", f"{r.temp_bytes / 2**20:,.0f}",
+              f"{r.arg_bytes / 2**20:,.0f}", share, f"{r.lower_s + r.compile_s:.1f}",
+              workload=name, key=key, kernels=p.kernels, hbm_bytes=p.hbm_bytes,
+              copy_kernels=p.copy_kernels, copy_bytes=p.copy_bytes,
+              collectives=[dataclasses.asdict(x) for x in p.collectives],
+              overlapped=p.overlapped, temp_bytes=r.temp_bytes, arg_bytes=r.arg_bytes,
+              kernels_removed=kr, hbm_removed=hr, lower_s=r.lower_s, compile_s=r.compile_s,
+              grad_bytes=grad_bytes)
+  report.table(table)
+  met = goals(results, grad_bytes)
+  if met:
+    g = c.Table(["mode", "goal", "result"], title=f"{name}: goals")
+    for mode, checks in met.items():
+      for goal, ok in checks.items():
+        g.add(VARIANTS[mode], goal, c.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
+    report.table(g)
+  return results
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks gpu_compile",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workloads", default=",".join(models.FULL_SIZE),
+                      help="comma-separated, from: " + ", ".join(models.FULL_SIZE))
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="comma-separated, from: " + ", ".join(VARIANTS))
+  parser.add_argument("--model", metavar="MODULE:FUNCTION",
+                      help="your own model instead of the workloads: FUNCTION() returns "
+                           "(params, loss_fn, one device's batch)")
+  parser.add_argument("--quick", action="store_true",
+                      help="gpt2_small only, the floor, per-leaf and the three modes")
+  c.add_output_args(parser, "gpu_compile")
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  workloads = ["gpt2_small"] if args.quick else args.workloads.split(",")
+  variants = (["floor", "per_leaf", "allreduce", "packed", "sharded"] if args.quick
+              else args.variants.split(","))
+  for v in variants:
+    if v not in VARIANTS:
+      parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+  c.check_workload_names(workloads, "--workloads")
+  report = c.Report("Data-parallel steps compiled for 8 H100s (not run)", "gpu_compile",
+                    sys.argv[1:] if argv is None else argv)
+  report.parts.append(c.banner("gpu_compile", [f"target: {TARGET.name}, 8 devices, "
+                                               f"{ROWS_PER_DEVICE} rows per device, adamw"]))
+  if args.model:
+    run_workload(args.model, variants, report, user_model(args.model))
+  for name in [] if args.model else workloads:
+    run_workload(name, variants, report)
+  report.write(args)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

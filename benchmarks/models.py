@@ -1,0 +1,358 @@
+"""Real architectures for the benchmarks, in plain JAX, with the leaf structure of the
+shape tables in ``benchmarks/workloads`` (the key paths, leaf counts and dtypes of
+GPT-2 small, BERT-base, ResNet-50, a llama-like LM with bf16 weights, and 4000 tiny
+leaves).
+
+Each builder takes the architecture's sizes, so the same model runs at its real size
+(compiled for GPUs, `benchmarks.gpu_compile`) and scaled down to what 8 simulated CPU
+devices can time (`benchmarks.step`): depth and leaf count stay, widths shrink.
+``tests/test_models.py`` checks that the full-size params match the tables exactly.
+
+A model is a `Model`: numpy params (or shapes only), a ``loss(params, batch)`` over one
+device's batch, and a function that makes a global batch of ``n`` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Model:
+  name: str
+  describe: str
+  params: Any                       # numpy tree, or a tree of jax.ShapeDtypeStruct
+  loss: Callable[[Any, Any], jax.Array]
+  batch: Callable[[int], Any]       # global batch size -> numpy batch
+  batch_like: Callable[[int], Any] | None = None  # global batch size -> ShapeDtypeStructs
+
+  @property
+  def num_leaves(self) -> int:
+    return len(jax.tree.leaves(self.params))
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(self.params))
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+  """``{"a/b": x}`` -> ``{"a": {"b": x}}``."""
+  out: dict = {}
+  for path, x in flat.items():
+    *parents, last = path.split("/")
+    d = out
+    for p in parents:
+      d = d.setdefault(p, {})
+    d[last] = x
+  return out
+
+
+def _make(shapes: dict[str, tuple[tuple[int, ...], Any, str]], seed: int, abstract: bool):
+  """Params from ``{path: (shape, dtype, init)}``; init is "normal", "ones" or "zeros"."""
+  rng = np.random.default_rng(seed)
+  flat = {}
+  for path, (shape, dtype, init) in shapes.items():
+    if abstract:
+      flat[path] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    elif init == "normal":
+      fan_in = shape[-2] if len(shape) >= 2 else shape[0]
+      if len(shape) == 4:  # conv kernel HWIO
+        fan_in = shape[0] * shape[1] * shape[2]
+      flat[path] = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(dtype)
+    else:
+      flat[path] = (np.ones if init == "ones" else np.zeros)(shape, dtype)
+  return _nest(flat)
+
+
+def _tokens(vocab: int, length: int, seed: int):
+  def batch(n):
+    return np.random.default_rng(seed).integers(0, vocab, (n, length), dtype=np.int32)
+
+  def like(n):
+    return jax.ShapeDtypeStruct((n, length), jnp.int32)
+
+  return batch, like
+
+
+def _layer_norm(x, g, b, eps=1e-5):
+  mean = jnp.mean(x, -1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + eps) * g + b
+
+
+def _rms_norm(x, g, eps=1e-6):
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + eps) * g)
+
+
+def _attention(q, k, v, heads: int, causal: bool):
+  b, t, d = q.shape
+  split = lambda x: x.reshape(b, t, heads, d // heads)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / np.sqrt(d // heads)
+  if causal:
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+  weights = jax.nn.softmax(logits.astype(jnp.float32), -1).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights, split(v)).reshape(b, t, d)
+
+
+def _cross_entropy(logits, targets):
+  logits = logits.astype(jnp.float32)
+  return jnp.mean(jax.nn.logsumexp(logits, -1)
+                  - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])
+
+
+# -- GPT-2 -----------------------------------------------------------------------------
+
+
+def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int = 1024,
+         heads: int = 12, seq: int = 128, seed: int = 0, abstract: bool = False,
+         name: str = "gpt2_small") -> Model:
+  """GPT-2: pre-LN decoder blocks, learned positions, the output tied to ``wte``."""
+  s: dict = {"wte": ((vocab, width), np.float32, "normal"),
+             "wpe": ((positions, width), np.float32, "normal")}
+  for i in range(layers):
+    p = f"h{i}/"
+    s.update({p + "ln_1/g": ((width,), np.float32, "ones"),
+              p + "ln_1/b": ((width,), np.float32, "zeros"),
+              p + "attn/c_attn/w": ((width, 3 * width), np.float32, "normal"),
+              p + "attn/c_attn/b": ((3 * width,), np.float32, "zeros"),
+              p + "attn/c_proj/w": ((width, width), np.float32, "normal"),
+              p + "attn/c_proj/b": ((width,), np.float32, "zeros"),
+              p + "ln_2/g": ((width,), np.float32, "ones"),
+              p + "ln_2/b": ((width,), np.float32, "zeros"),
+              p + "mlp/c_fc/w": ((width, 4 * width), np.float32, "normal"),
+              p + "mlp/c_fc/b": ((4 * width,), np.float32, "zeros"),
+              p + "mlp/c_proj/w": ((4 * width, width), np.float32, "normal"),
+              p + "mlp/c_proj/b": ((width,), np.float32, "zeros")})
+  s.update({"ln_f/g": ((width,), np.float32, "ones"), "ln_f/b": ((width,), np.float32, "zeros")})
+
+  def loss(params, tokens):
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    h = params["wte"][x] + params["wpe"][: x.shape[1]]
+    for i in range(layers):
+      blk = params[f"h{i}"]
+      a = _layer_norm(h, blk["ln_1"]["g"], blk["ln_1"]["b"])
+      q, k, v = jnp.split(a @ blk["attn"]["c_attn"]["w"] + blk["attn"]["c_attn"]["b"], 3, -1)
+      h = h + _attention(q, k, v, heads, True) @ blk["attn"]["c_proj"]["w"] \
+          + blk["attn"]["c_proj"]["b"]
+      m = _layer_norm(h, blk["ln_2"]["g"], blk["ln_2"]["b"])
+      m = jax.nn.gelu(m @ blk["mlp"]["c_fc"]["w"] + blk["mlp"]["c_fc"]["b"])
+      h = h + m @ blk["mlp"]["c_proj"]["w"] + blk["mlp"]["c_proj"]["b"]
+    h = _layer_norm(h, params["ln_f"]["g"], params["ln_f"]["b"])
+    return _cross_entropy(h @ params["wte"].T, y)
+
+  batch, like = _tokens(vocab, seq + 1, seed + 1)
+  return Model(name, f"GPT-2 decoder {layers}x{width}", _make(s, seed, abstract), loss,
+               batch, like)
+
+
+# -- BERT ------------------------------------------------------------------------------
+
+
+def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int = 512,
+         heads: int = 12, seq: int = 128, seed: int = 0, abstract: bool = False,
+         name: str = "bert_base") -> Model:
+  """BERT: post-LN encoder blocks; masked-token loss on the tied word embedding, plus a
+  classification loss on the pooled first token."""
+  f32 = np.float32
+  s: dict = {"emb/word": ((vocab, width), f32, "normal"),
+             "emb/position": ((positions, width), f32, "normal"),
+             "emb/token_type": ((2, width), f32, "normal"),
+             "emb/ln/g": ((width,), f32, "ones"), "emb/ln/b": ((width,), f32, "zeros")}
+  for i in range(layers):
+    p = f"layer{i}/"
+    for n in ("q", "k", "v", "attn_out"):
+      s[p + n + "/w"] = ((width, width), f32, "normal")
+      s[p + n + "/b"] = ((width,), f32, "zeros")
+    s.update({p + "ln1/g": ((width,), f32, "ones"), p + "ln1/b": ((width,), f32, "zeros"),
+              p + "ffn_in/w": ((width, 4 * width), f32, "normal"),
+              p + "ffn_in/b": ((4 * width,), f32, "zeros"),
+              p + "ffn_out/w": ((4 * width, width), f32, "normal"),
+              p + "ffn_out/b": ((width,), f32, "zeros"),
+              p + "ln2/g": ((width,), f32, "ones"), p + "ln2/b": ((width,), f32, "zeros")})
+  s.update({"pooler/w": ((width, width), f32, "normal"), "pooler/b": ((width,), f32, "zeros")})
+
+  def loss(params, tokens):
+    x, y = tokens[:, :-1], tokens[:, 1:]  # predict a shifted copy: a stand-in for masking
+    e = params["emb"]
+    h = e["word"][x] + e["position"][: x.shape[1]] + e["token_type"][0]
+    h = _layer_norm(h, e["ln"]["g"], e["ln"]["b"])
+    for i in range(layers):
+      blk = params[f"layer{i}"]
+      lin = lambda n, a: a @ blk[n]["w"] + blk[n]["b"]
+      a = _attention(lin("q", h), lin("k", h), lin("v", h), heads, False)
+      h = _layer_norm(h + lin("attn_out", a), blk["ln1"]["g"], blk["ln1"]["b"])
+      m = jax.nn.gelu(lin("ffn_in", h))
+      h = _layer_norm(h + lin("ffn_out", m), blk["ln2"]["g"], blk["ln2"]["b"])
+    pooled = jnp.tanh(h[:, 0] @ params["pooler"]["w"] + params["pooler"]["b"])
+    return _cross_entropy(h @ e["word"].T, y) + jnp.mean(jnp.square(pooled))
+
+  batch, like = _tokens(vocab, seq + 1, seed + 1)
+  return Model(name, f"BERT encoder {layers}x{width}", _make(s, seed, abstract), loss,
+               batch, like)
+
+
+# -- llama-like, bf16 weights ----------------------------------------------------------
+
+
+def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32000,
+          heads: int = 8, seq: int = 128, seed: int = 0, abstract: bool = False,
+          name: str = "mixed_llama_tiny") -> Model:
+  """A llama-like LM: RMSNorm (float32 scales), SwiGLU, untied head; bf16 weights."""
+  bf16, f32 = jnp.bfloat16, np.float32
+  s: dict = {"embed": ((vocab, width), bf16, "normal")}
+  for i in range(layers):
+    p = f"layers/{i}/"
+    s.update({p + "attn_norm": ((width,), f32, "ones"),
+              **{p + f"attn/{n}": ((width, width), bf16, "normal")
+                 for n in ("wq", "wk", "wv", "wo")},
+              p + "ffn_norm": ((width,), f32, "ones"),
+              p + "ffn/w1": ((width, hidden), bf16, "normal"),
+              p + "ffn/w3": ((width, hidden), bf16, "normal"),
+              p + "ffn/w2": ((hidden, width), bf16, "normal")})
+  s.update({"norm": ((width,), f32, "ones"), "lm_head": ((width, vocab), bf16, "normal")})
+
+  def loss(params, tokens):
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    h = params["embed"][x]
+    for i in range(layers):
+      blk = params["layers"][str(i)]
+      a = _rms_norm(h, blk["attn_norm"]).astype(bf16)
+      at = blk["attn"]
+      h = h + _attention(a @ at["wq"], a @ at["wk"], a @ at["wv"], heads, True) @ at["wo"]
+      m = _rms_norm(h, blk["ffn_norm"]).astype(bf16)
+      f = blk["ffn"]
+      h = h + (jax.nn.silu(m @ f["w1"]) * (m @ f["w3"])) @ f["w2"]
+    h = _rms_norm(h, params["norm"]).astype(bf16)
+    return _cross_entropy(h @ params["lm_head"], y)
+
+  batch, like = _tokens(vocab, seq + 1, seed + 1)
+  return Model(name, f"llama-like LM {layers}x{width}, bf16 weights",
+               _make(s, seed, abstract), loss, batch, like)
+
+
+# -- ResNet ----------------------------------------------------------------------------
+
+
+RESNET50_BLOCKS = (3, 4, 6, 3)
+
+
+def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: int = 1000,
+           image: int = 64, seed: int = 0, abstract: bool = False,
+           name: str = "resnet50") -> Model:
+  """A bottleneck ResNet (ResNet-50 at the defaults) with BatchNorm over each device's
+  batch (training mode; the tables hold no running statistics)."""
+  f32 = np.float32
+  s: dict = {"stem/conv/kernel": ((7, 7, 3, width), f32, "normal"),
+             "stem/bn/scale": ((width,), f32, "ones"), "stem/bn/bias": ((width,), f32, "zeros")}
+  cin = width
+  for si, n in enumerate(blocks):
+    mid = width * 2 ** si
+    out = 4 * mid
+    for bi in range(n):
+      p = f"stage{si}/block{bi}/"
+      for j, (k, a, b) in enumerate(((1, cin, mid), (3, mid, mid), (1, mid, out))):
+        s[p + f"conv{j}/kernel"] = ((k, k, a, b), f32, "normal")
+        s[p + f"bn{j}/scale"] = ((b,), f32, "ones")
+        s[p + f"bn{j}/bias"] = ((b,), f32, "zeros")
+      if bi == 0:
+        s[p + "proj/kernel"] = ((1, 1, cin, out), f32, "normal")
+        s[p + "proj_bn/scale"] = ((out,), f32, "ones")
+        s[p + "proj_bn/bias"] = ((out,), f32, "zeros")
+      cin = out
+  s.update({"head/kernel": ((cin, classes), f32, "normal"),
+            "head/bias": ((classes,), f32, "zeros")})
+
+  def conv(x, k, stride=1):
+    return jax.lax.conv_general_dilated(x, k, (stride, stride), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  def bn(x, p):
+    mean = jnp.mean(x, (0, 1, 2))
+    var = jnp.mean(jnp.square(x - mean), (0, 1, 2))
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+  def loss(params, batch):
+    images, labels = batch
+    h = jax.nn.relu(bn(conv(images, params["stem"]["conv"]["kernel"], 2), params["stem"]["bn"]))
+    for si, n in enumerate(blocks):
+      for bi in range(n):
+        blk = params[f"stage{si}"][f"block{bi}"]
+        stride = 2 if (bi == 0 and si > 0) else 1
+        y = jax.nn.relu(bn(conv(h, blk["conv0"]["kernel"]), blk["bn0"]))
+        y = jax.nn.relu(bn(conv(y, blk["conv1"]["kernel"], stride), blk["bn1"]))
+        y = bn(conv(y, blk["conv2"]["kernel"]), blk["bn2"])
+        if bi == 0:
+          h = bn(conv(h, blk["proj"]["kernel"], stride), blk["proj_bn"])
+        h = jax.nn.relu(h + y)
+    logits = jnp.mean(h, (1, 2)) @ params["head"]["kernel"] + params["head"]["bias"]
+    return _cross_entropy(logits, labels)
+
+  def batch(n):
+    r = np.random.default_rng(seed + 1)
+    return (r.standard_normal((n, image, image, 3)).astype(f32),
+            r.integers(0, classes, (n,), dtype=np.int32))
+
+  def like(n):
+    return (jax.ShapeDtypeStruct((n, image, image, 3), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32))
+
+  return Model(name, f"ResNet {'-'.join(map(str, blocks))} width {width}",
+               _make(s, seed, abstract), loss, batch, like)
+
+
+# -- thousands of tiny leaves ----------------------------------------------------------
+
+
+def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bool = False,
+               name: str = "many_small_4000") -> Model:
+  """A mixture of ``len(sizes)`` tiny experts: expert i maps the input through
+  ``tanh(x[:, i % features] * p_i)``, and the loss pulls their mean to a target."""
+  s = {f"m{i:05d}/p": ((n,), np.float32, "normal") for i, n in enumerate(sizes)}
+
+  def loss(params, batch):
+    x, y = batch
+    leaves = [params[f"m{i:05d}"]["p"] for i in range(len(sizes))]
+    out = sum(jnp.mean(jnp.tanh(x[:, i % features, None] * p[None]), -1)
+              for i, p in enumerate(leaves)) / len(leaves)
+    return jnp.mean(jnp.square(out - y))
+
+  def batch(n):
+    r = np.random.default_rng(seed + 1)
+    return (r.standard_normal((n, features)).astype(np.float32),
+            r.standard_normal((n,)).astype(np.float32))
+
+  def like(n):
+    return (jax.ShapeDtypeStruct((n, features), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.float32))
+
+  return Model(name, f"{len(sizes)} tiny experts", _make(s, seed, abstract), loss, batch,
+               like)
+
+
+# -- the workloads at full size --------------------------------------------------------
+
+
+def full_size(name: str, *, abstract: bool = True) -> Model:
+  """Workload ``name`` at the size of its shape table (``benchmarks/workloads``)."""
+  if name == "gpt2_small":
+    return gpt2(abstract=abstract)
+  if name == "bert_base":
+    return bert(abstract=abstract)
+  if name == "resnet50":
+    return resnet(image=224, abstract=abstract)
+  if name == "mixed_llama_tiny":
+    return llama(abstract=abstract)
+  if name == "many_small_4000":
+    from benchmarks import _common as c
+    doc = c.load_workload_doc(name)
+    return many_small([int(np.prod(l["shape"])) for l in doc["leaves"]], abstract=abstract)
+  raise ValueError(f"no model for workload {name!r}")
+
+
+FULL_SIZE = ("gpt2_small", "bert_base", "resnet50", "mixed_llama_tiny", "many_small_4000")

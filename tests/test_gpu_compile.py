@@ -1,0 +1,173 @@
+"""jpack's data-parallel steps compiled for 8 simulated H100s, checked from the scheduled
+GPU program (no GPU needed: the CUDA plugin compiles for a target config).
+
+`tests/test_gpu_path.py` checks what jpack lowers for CUDA; this checks what XLA:GPU
+makes of it: the collectives in each bucket's dtype and overlapped with the backward
+pass, no all-to-all and no conditional, and no more bytes copied than one gradient above
+a step without any reduction. The reference programs (the floor and XLA's own per-leaf
+step) are compiled the same way, from plain JAX.
+"""
+
+import os
+import sys
+
+import pytest
+
+# No GPU and no driver here: the plugin must not check for them.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+if sys.platform != "linux":  # JAX's CUDA plugin has Linux wheels only
+  pytest.skip("compiling for GPUs needs JAX's CUDA plugin (Linux only)",
+              allow_module_level=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import gpu_compile, models  # noqa: E402
+from benchmarks._hlo import analyze_program  # noqa: E402
+
+# Small enough to compile in seconds, with what matters in real models: tied embeddings,
+# bf16 weights next to float32 norms, many small leaves next to big ones.
+SMALL = {
+    "gpt2": lambda: models.gpt2(layers=2, width=64, vocab=512, positions=64, heads=4, seq=16,
+                                abstract=True),
+    "llama_bf16": lambda: models.llama(layers=2, width=64, hidden=176, vocab=512, heads=4,
+                                       seq=16, abstract=True),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return gpu_compile.gpu_mesh()
+
+
+@pytest.fixture(scope="module", params=sorted(SMALL))
+def compiled(request, mesh):
+  model = SMALL[request.param]()
+  keys = ("floor", "per_leaf", "packed", "sharded")
+  return model, {k: gpu_compile.compile_variant(k, model, mesh, rows=2) for k in keys}
+
+
+def _grad_bytes(model):
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(model.params))
+
+
+def test_mesh_is_eight_h100s(mesh):
+  assert mesh.devices.size == 8
+  assert all("H100" in d.device_kind for d in mesh.devices.flat)
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_collectives_in_bucket_dtypes_without_all_to_all_or_conditionals(compiled, mode):
+  model, results = compiled
+  r = results[mode]
+  dtypes = {str(jnp.dtype(x.dtype)) for x in jax.tree.leaves(model.params)}
+  hlo_dtypes = {"float32": "f32", "bfloat16": "bf16"}
+  ops = {c.op for c in r.program.collectives}
+  assert "all-to-all" not in ops
+  assert "conditional(" not in r.hlo and " case(" not in r.hlo
+  # Every gradient dtype travels in its own dtype: bf16 weights are reduced as bf16,
+  # never widened to f32 (the f32 all-reduces left are the norm's and the loss's).
+  grads = [c for c in r.program.collectives if c.op != "all-reduce" or c.bytes > 64]
+  assert {c.dtype for c in grads} == {hlo_dtypes[d] for d in dtypes}
+  if mode == "packed":
+    assert ops == {"all-reduce"}
+  else:
+    assert {"reduce-scatter", "all-gather"} <= ops
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_copies_at_most_one_gradient_above_the_floor(compiled, mode):
+  model, results = compiled
+  extra = results[mode].program.copy_bytes - results["floor"].program.copy_bytes
+  assert extra <= _grad_bytes(model), (extra, _grad_bytes(model))
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_every_gradient_collective_overlaps_compute(compiled, mode):
+  _, results = compiled
+  colls = [c for c in results[mode].program.collectives
+           if c.op in ("all-reduce", "reduce-scatter") and c.bytes > 64]
+  assert colls and all(c.overlapped for c in colls), colls
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_fewer_kernels_than_xlas_per_leaf_step(compiled, mode):
+  _, results = compiled
+  assert results[mode].program.kernels < results["per_leaf"].program.kernels
+
+
+def test_analyze_program_reads_a_scheduled_module():
+  # A hand-written scheduled module: two fusions, one of them copy-only, an async
+  # all-reduce with a fusion between its start and done, and one slice-only read.
+  hlo = """
+HloModule m, is_scheduled=true
+
+%copy_comp (p0: f32[4], p1: f32[4]) -> f32[8] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  ROOT %c = f32[8]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+%mul_comp (q0: f32[8]) -> f32[1] {
+  %q0 = f32[8]{0} parameter(0)
+  %m = f32[8]{0} multiply(%q0, %q0)
+  ROOT %s = f32[1]{0} slice(%m), slice={[0:1]}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %z = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[4], b: f32[4]) -> f32[8] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %cat = f32[8]{0} fusion(%a, %b), kind=kLoop, calls=%copy_comp
+  %ars = f32[8]{0} all-reduce-start(%cat), replica_groups={}, to_apply=%add
+  %one = f32[1]{0} fusion(%cat), kind=kLoop, calls=%mul_comp
+  ROOT %ard = f32[8]{0} all-reduce-done(%ars)
+}
+"""
+  p = analyze_program(hlo)
+  assert p.kernels == 3
+  assert p.copy_kernels == 1 and p.copy_bytes == 32
+  # cat: 32 written + 32 read; all-reduce: 32 + 32; the sliced read: 4 + 4 written
+  assert p.hbm_bytes == 64 + 64 + 8
+  (ar,) = p.collectives
+  assert (ar.op, ar.dtype, ar.bytes, ar.overlapped) == ("all-reduce", "f32", 32, True)
+
+
+@pytest.mark.parametrize("mode,shards", [("packed", 1), ("allreduce", 1), ("sharded", 8)])
+def test_gpu_layout_keeps_matrices_whole_and_pads_only_for_zero1(mesh, mode, shards):
+  import optax
+
+  import jpack
+
+  model = SMALL["llama_bf16"]()
+  dp = jpack.data_parallel(model.loss, optax.adamw(1e-3), model.params, mesh, mode=mode)
+  layout = dp.layout
+  assert layout.num_shards == shards
+  for slot in layout.slots:
+    bucket = layout.buckets[slot.bucket]
+    if len(slot.shape) >= 2:  # read back as a bitcast, never copied out for a matmul
+      assert len(bucket.slots) == 1 and slot.offset == 0
+      assert bucket.size == np.prod(slot.shape)
+
+
+def test_your_own_model_in_one_command(tmp_path, monkeypatch, capsys):
+  # docs/gpu.md: PYTHONPATH=docs/examples python -m benchmarks gpu_compile --model ...
+  import json
+  import pathlib
+
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "docs" / "examples"))
+  out = tmp_path / "mine.json"
+  assert gpu_compile.main(["--model", "gpu_model:model", "--variants",
+                           "floor,per_leaf,packed", "--json", str(out)]) == 0
+  rows = [r["values"] for t in json.loads(out.read_text())["tables"] for r in t["rows"]
+          if "kernels" in r["values"]]
+  assert [r["key"] for r in rows] == ["floor", "per_leaf", "packed"]
+  assert rows[2]["kernels"] < rows[1]["kernels"]
+  assert "gpu_model:model" in capsys.readouterr().out

@@ -135,7 +135,11 @@ def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
   elif key == "per_leaf":
     s = step_bench._plain_step(model, mesh, optax.stateless(step_bench._per_leaf_pmean), tx)
   elif key in ("jit", "jit_zero1"):
-    s = step_bench._jit_step(model, mesh, zero1=key == "jit_zero1", optimizer=tx)
+    # Auto axes: XLA chooses the shardings inside the step, as a plain jit user gets
+    # (under Explicit axes an embedding lookup would need its out_sharding spelled out).
+    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    s = step_bench._jit_step(model, auto, zero1=key == "jit_zero1", optimizer=tx)
   else:
     raise ValueError(f"unknown variant {key!r}")
   return s.init, s.step
@@ -157,9 +161,10 @@ def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DE
   """Lower and compile variant ``key``'s step for the mesh, on abstract values."""
   init, step = build(key, model, mesh)
   state = jax.eval_shape(init, model.params)
-  batch = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(AXIS))),
-      model.batch_like(rows * mesh.shape[AXIS]))
+  # The jit steps place the batch by their own in_shardings (on a mesh of Auto axes).
+  split = None if key.startswith("jit") else NamedSharding(mesh, P(AXIS))
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split),
+                       model.batch_like(rows * mesh.shape[AXIS]))
   # jpack's steps lower with their own jit (and its compiler options); the others'
   # jit is wrapped around them here.
   lower = getattr(step, "lower", None) or jax.jit(step, donate_argnums=0).lower

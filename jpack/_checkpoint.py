@@ -52,8 +52,11 @@ def gather_state(opt_state: Any) -> Any:
   bucket, sharded over the devices). Each `FlatState` / `ShardedState` becomes the state
   its inner optimizer would have on the params tree, ``inner.init(params)``: every tuple
   of buckets becomes a params-shaped tree, in the buckets' dtype (the params' dtype, or
-  e.g. ``mu_dtype``), scalars (step counts) are kept. Bucket padding depends on the
-  device count, the tree does not: save this with any checkpointer.
+  e.g. ``mu_dtype``), scalars (step counts) are kept, and what the inner optimizer
+  keeps on the leaves (`jpack.optax.flat` runs the parts that buckets would change,
+  e.g. all of ``optax.contrib.muon``, on the params tree) is in that form already and is
+  kept too. Bucket padding depends on the device count, the tree does not: save this
+  with any checkpointer.
 
   Every leaf comes back as a numpy array of its own (a host copy: the state may go on
   training, and donating its buffers, while a checkpointer writes it). Given an
@@ -214,17 +217,51 @@ def _gather_node(state: FlatState | ShardedState, host: Callable[[Any], np.ndarr
 
   out = jax.tree.map(convert, state.inner_state,
                      is_leaf=lambda x: is_buckets(x) or _is_masked(x))
-  leading = (set() if found or not sizes else
-             {x.shape[0] for x in jax.tree.leaves(state.inner_state) if len(x.shape) == 2})
+  # No buckets: either the inner optimizer runs on the leaves (flat keeps muon's state
+  # on the params tree, already the tree form) or this is a jax.pmap state.
+  leading = set() if found or not sizes else _rows_per_device(state.inner_state, layout)
   if leading:
     raise ValueError(
-        "gather_state found no bucket-shaped state: its leaves have a leading axis of "
-        f"size {sorted(leading)}, as in a jax.pmap state (one row per device). It needs the "
-        "global state of a shard_map step (data_parallel's default), whose leaves are "
-        "whole buckets.")
+        "gather_state found no bucket-shaped state: its buckets (or leaves) have a "
+        f"leading axis of size {sorted(leading)}, as in a jax.pmap state (one row per "
+        "device). It needs the global state of a shard_map step (data_parallel's "
+        "default), whose leaves are whole buckets or whole leaves.")
   if state.master is None:
     return out
   return {"inner_state": out, "master": convert(tuple(state.master))}
+
+
+def _rows_per_device(inner_state: Any, layout: Layout) -> set[int]:
+  """The leading axis sizes of what, in ``inner_state``, has a row per device as a
+  ``jax.pmap`` state has: a tuple of buckets whose arrays are 2-D (a row of the whole
+  bucket or of its ZeRO-1 slice per device), or a params-shaped tree whose every leaf has
+  one more leading axis than the param. A state kept on the leaves has neither."""
+  sizes = tuple(b.size for b in layout.buckets)
+  shapes = [slot.shape for slot in layout.slots]
+  leading: set[int] = set()
+
+  def rows(x: Any) -> set[int]:
+    if isinstance(x, tuple) and len(x) == len(sizes):
+      arrays = [(a, s) for a, s in zip(x, sizes) if not _is_masked(a)]
+      if arrays and all(hasattr(a, "shape") and len(a.shape) == 2
+                        and s in (a.shape[1], a.shape[0] * a.shape[1]) for a, s in arrays):
+        return {a.shape[0] for a, _ in arrays}
+    try:
+      leaves = layout.treedef.flatten_up_to(x)
+    except (ValueError, TypeError):
+      return set()
+    arrays = [(a, s) for a, s in zip(leaves, shapes) if not _is_masked(a)]
+    if arrays and all(hasattr(a, "shape") and tuple(a.shape[1:]) == s for a, s in arrays):
+      return {a.shape[0] for a, _ in arrays}
+    return set()
+
+  def visit(x: Any) -> bool:
+    found = rows(x)
+    leading.update(found)
+    return bool(found)
+
+  jax.tree.leaves(inner_state, is_leaf=visit)
+  return leading
 
 
 def _buckets_to_tree(x: tuple[Any, ...], layout: Layout,

@@ -213,6 +213,35 @@ def test_masters_and_labels_survive_a_change_of_mode_and_device_count(tmp_path):
   train(other, restored, 2, 3)
 
 
+def decay_matrices(params):
+  return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw_mask"])
+def test_a_state_kept_on_the_leaves_restores_onto_8_and_4(name, tmp_path):
+  # flat runs what buckets would change on the params tree: all of muon (its state is
+  # then params-shaped, already the tree form; gather_state took it for a jax.pmap
+  # state), and adamw's masked weight decay (adam's moments stay on buckets).
+  optimizer = (optax.contrib.muon(1e-2) if name == "muon" else
+               optax.adamw(1e-2, weight_decay=0.1, mask=decay_matrices))
+  dp = make("packed", 8, optimizer)
+  state = train(dp, dp.init(params0()), 0, 3)
+  saved = saved_tree(dp, state)
+  assert jax.tree.structure(saved["opt_state"]) == jax.tree.structure(
+      optimizer.init(params0()))
+  save(tmp_path, dp, state, 3)
+  runs = []
+  for n in (8, 4):
+    other = make("packed", n, optimizer)
+    restored, _ = jpack.optax.restore_checkpoint(tmp_path,
+                                                 jax.eval_shape(other.init, params0()))
+    assert_bits_equal(saved_tree(other, restored), saved)
+    runs.append(saved_tree(other, train(other, restored, 3, 5)))
+  want = saved_tree(dp, train(dp, state, 3, 5))  # the uninterrupted run
+  assert_bits_equal(runs[0], want)
+  assert_close(runs[1]["params"], want["params"])  # up to the order of float sums
+
+
 def test_model_state_is_carried(tmp_path):
   dp = make("sharded")
   state = dp.init(params0())

@@ -9,7 +9,10 @@ devices can time (`benchmarks.step`): depth and leaf count stay, widths shrink.
 ``tests/test_models.py`` checks that the full-size params match the tables exactly.
 
 A model is a `Model`: numpy params (or shapes only), a ``loss(params, batch)`` over one
-device's batch, and a function that makes a global batch of ``n`` rows.
+device's batch, and a function that makes a global batch of ``n`` rows. A model with
+state that is not trained (the ResNet's BatchNorm running statistics, ``bn_state=True``)
+has it in ``state``, and its loss is ``loss(params, state, batch) -> (loss, new_state)``,
+as `jpack.data_parallel(..., has_state=True)` takes it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ class Model:
   loss: Callable[[Any, Any], jax.Array]
   batch: Callable[[int], Any]       # global batch size -> numpy batch
   batch_like: Callable[[int], Any] | None = None  # global batch size -> ShapeDtypeStructs
+  state: Any = None  # model state (numpy tree); then loss(params, state, batch) -> (loss, state)
+
+  @property
+  def has_state(self) -> bool:
+    return self.state is not None
 
   @property
   def num_leaves(self) -> int:
@@ -236,74 +244,185 @@ def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32
                _make(s, seed, abstract), loss, batch, like)
 
 
-# -- ResNet ----------------------------------------------------------------------------
+# -- ViT -------------------------------------------------------------------------------
 
 
-RESNET50_BLOCKS = (3, 4, 6, 3)
-
-
-def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: int = 1000,
-           image: int = 64, seed: int = 0, abstract: bool = False,
-           name: str = "resnet50") -> Model:
-  """A bottleneck ResNet (ResNet-50 at the defaults) with BatchNorm over each device's
-  batch (training mode; the tables hold no running statistics)."""
+def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
+        classes: int = 1000, heads: int = 12, seed: int = 0, abstract: bool = False,
+        name: str = "vit_b16") -> Model:
+  """A ViT encoder (ViT-B/16 at the defaults, 152 leaves): a strided-conv patch
+  embedding, a class token, learned positions, pre-LN blocks as GPT-2's without the
+  causal mask, a final LayerNorm and a classification head on the class token."""
   f32 = np.float32
-  s: dict = {"stem/conv/kernel": ((7, 7, 3, width), f32, "normal"),
-             "stem/bn/scale": ((width,), f32, "ones"), "stem/bn/bias": ((width,), f32, "zeros")}
-  cin = width
-  for si, n in enumerate(blocks):
-    mid = width * 2 ** si
-    out = 4 * mid
-    for bi in range(n):
-      p = f"stage{si}/block{bi}/"
-      for j, (k, a, b) in enumerate(((1, cin, mid), (3, mid, mid), (1, mid, out))):
-        s[p + f"conv{j}/kernel"] = ((k, k, a, b), f32, "normal")
-        s[p + f"bn{j}/scale"] = ((b,), f32, "ones")
-        s[p + f"bn{j}/bias"] = ((b,), f32, "zeros")
-      if bi == 0:
-        s[p + "proj/kernel"] = ((1, 1, cin, out), f32, "normal")
-        s[p + "proj_bn/scale"] = ((out,), f32, "ones")
-        s[p + "proj_bn/bias"] = ((out,), f32, "zeros")
-      cin = out
-  s.update({"head/kernel": ((cin, classes), f32, "normal"),
-            "head/bias": ((classes,), f32, "zeros")})
-
-  def conv(x, k, stride=1):
-    return jax.lax.conv_general_dilated(x, k, (stride, stride), "SAME",
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-  def bn(x, p):
-    mean = jnp.mean(x, (0, 1, 2))
-    var = jnp.mean(jnp.square(x - mean), (0, 1, 2))
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+  tokens = (image // patch) ** 2 + 1
+  s: dict = {"patch_embed/kernel": ((patch, patch, 3, width), f32, "normal"),
+             "patch_embed/bias": ((width,), f32, "zeros"),
+             "cls_token": ((1, width), f32, "zeros"),
+             "pos_embed": ((tokens, width), f32, "normal")}
+  for i in range(layers):
+    p = f"block{i}/"
+    s.update({p + "ln_1/g": ((width,), f32, "ones"), p + "ln_1/b": ((width,), f32, "zeros"),
+              p + "attn/qkv/w": ((width, 3 * width), f32, "normal"),
+              p + "attn/qkv/b": ((3 * width,), f32, "zeros"),
+              p + "attn/proj/w": ((width, width), f32, "normal"),
+              p + "attn/proj/b": ((width,), f32, "zeros"),
+              p + "ln_2/g": ((width,), f32, "ones"), p + "ln_2/b": ((width,), f32, "zeros"),
+              p + "mlp/fc1/w": ((width, 4 * width), f32, "normal"),
+              p + "mlp/fc1/b": ((4 * width,), f32, "zeros"),
+              p + "mlp/fc2/w": ((4 * width, width), f32, "normal"),
+              p + "mlp/fc2/b": ((width,), f32, "zeros")})
+  s.update({"ln_f/g": ((width,), f32, "ones"), "ln_f/b": ((width,), f32, "zeros"),
+            "head/w": ((width, classes), f32, "normal"), "head/b": ((classes,), f32, "zeros")})
 
   def loss(params, batch):
     images, labels = batch
-    h = jax.nn.relu(bn(conv(images, params["stem"]["conv"]["kernel"], 2), params["stem"]["bn"]))
-    for si, n in enumerate(blocks):
-      for bi in range(n):
-        blk = params[f"stage{si}"][f"block{bi}"]
-        stride = 2 if (bi == 0 and si > 0) else 1
-        y = jax.nn.relu(bn(conv(h, blk["conv0"]["kernel"]), blk["bn0"]))
-        y = jax.nn.relu(bn(conv(y, blk["conv1"]["kernel"], stride), blk["bn1"]))
-        y = bn(conv(y, blk["conv2"]["kernel"]), blk["bn2"])
-        if bi == 0:
-          h = bn(conv(h, blk["proj"]["kernel"], stride), blk["proj_bn"])
-        h = jax.nn.relu(h + y)
-    logits = jnp.mean(h, (1, 2)) @ params["head"]["kernel"] + params["head"]["bias"]
-    return _cross_entropy(logits, labels)
+    x = jax.lax.conv_general_dilated(images, params["patch_embed"]["kernel"], (patch, patch),
+                                     "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = (x + params["patch_embed"]["bias"]).reshape(x.shape[0], -1, width)
+    cls = jnp.broadcast_to(params["cls_token"], (x.shape[0], 1, width))
+    h = jnp.concatenate([cls, x], 1) + params["pos_embed"]
+    for i in range(layers):
+      blk = params[f"block{i}"]
+      a = _layer_norm(h, blk["ln_1"]["g"], blk["ln_1"]["b"])
+      q, k, v = jnp.split(a @ blk["attn"]["qkv"]["w"] + blk["attn"]["qkv"]["b"], 3, -1)
+      h = h + _attention(q, k, v, heads, False) @ blk["attn"]["proj"]["w"] \
+          + blk["attn"]["proj"]["b"]
+      m = _layer_norm(h, blk["ln_2"]["g"], blk["ln_2"]["b"])
+      m = jax.nn.gelu(m @ blk["mlp"]["fc1"]["w"] + blk["mlp"]["fc1"]["b"])
+      h = h + m @ blk["mlp"]["fc2"]["w"] + blk["mlp"]["fc2"]["b"]
+    h = _layer_norm(h[:, 0], params["ln_f"]["g"], params["ln_f"]["b"])
+    return _cross_entropy(h @ params["head"]["w"] + params["head"]["b"], labels)
 
+  batch, like = _images(image, classes, seed + 1)
+  return Model(name, f"ViT encoder {layers}x{width}, {patch}x{patch} patches of "
+               f"{image}x{image}", _make(s, seed, abstract), loss, batch, like)
+
+
+def _images(image: int, classes: int, seed: int):
   def batch(n):
-    r = np.random.default_rng(seed + 1)
-    return (r.standard_normal((n, image, image, 3)).astype(f32),
+    r = np.random.default_rng(seed)
+    return (r.standard_normal((n, image, image, 3)).astype(np.float32),
             r.integers(0, classes, (n,), dtype=np.int32))
 
   def like(n):
     return (jax.ShapeDtypeStruct((n, image, image, 3), jnp.float32),
             jax.ShapeDtypeStruct((n,), jnp.int32))
 
-  return Model(name, f"ResNet {'-'.join(map(str, blocks))} width {width}",
-               _make(s, seed, abstract), loss, batch, like)
+  return batch, like
+
+
+# -- ResNet ----------------------------------------------------------------------------
+
+
+RESNET50_BLOCKS = (3, 4, 6, 3)
+RESNET18_BLOCKS = (2, 2, 2, 2)
+BN_MOMENTUM = 0.9  # running statistics: momentum * old + (1 - momentum) * batch's
+
+
+def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: int = 1000,
+           image: int = 64, block: str = "bottleneck", bn_state: bool = False,
+           seed: int = 0, abstract: bool = False, name: str = "resnet50") -> Model:
+  """A ResNet with BatchNorm over each device's batch (training mode): bottleneck blocks
+  (ResNet-50 at the defaults) or, with ``block="basic"``, two 3x3 convolutions per block
+  (ResNet-18 with ``blocks=RESNET18_BLOCKS``). A block projects its input where the
+  width or the stride changes. The stem has no max-pool.
+
+  With ``bn_state``, every BatchNorm keeps running statistics (``mean``, ``var``, at the
+  BatchNorm's key path) in the model's ``state``, updated by each step as Flax's
+  ``batch_stats`` are: the loss is ``loss(params, state, batch) -> (loss, new_state)``.
+  Without it there is no state (the shape tables hold none).
+  """
+  if block not in ("bottleneck", "basic"):
+    raise ValueError(f"block must be 'bottleneck' or 'basic', got {block!r}")
+  f32 = np.float32
+  s: dict = {"stem/conv/kernel": ((7, 7, 3, width), f32, "normal"),
+             "stem/bn/scale": ((width,), f32, "ones"), "stem/bn/bias": ((width,), f32, "zeros")}
+  bns = {"stem/bn": width}  # BatchNorm key path -> channels
+  cin = width
+  for si, n in enumerate(blocks):
+    mid = width * 2 ** si
+    out = 4 * mid if block == "bottleneck" else mid
+    for bi in range(n):
+      p = f"stage{si}/block{bi}/"
+      convs = (((1, cin, mid), (3, mid, mid), (1, mid, out)) if block == "bottleneck"
+               else ((3, cin, mid), (3, mid, out)))
+      for j, (k, a, b) in enumerate(convs):
+        s[p + f"conv{j}/kernel"] = ((k, k, a, b), f32, "normal")
+        s[p + f"bn{j}/scale"] = ((b,), f32, "ones")
+        s[p + f"bn{j}/bias"] = ((b,), f32, "zeros")
+        bns[p + f"bn{j}"] = b
+      if bi == 0 and (cin != out or si > 0):
+        s[p + "proj/kernel"] = ((1, 1, cin, out), f32, "normal")
+        s[p + "proj_bn/scale"] = ((out,), f32, "ones")
+        s[p + "proj_bn/bias"] = ((out,), f32, "zeros")
+        bns[p + "proj_bn"] = out
+      cin = out
+  s.update({"head/kernel": ((cin, classes), f32, "normal"),
+            "head/bias": ((classes,), f32, "zeros")})
+  state = None
+  if bn_state:
+    state = _make({f"{path}/{stat}": ((c,), f32, "zeros" if stat == "mean" else "ones")
+                   for path, c in bns.items() for stat in ("mean", "var")}, seed, abstract)
+
+  def conv(x, k, stride=1):
+    return jax.lax.conv_general_dilated(x, k, (stride, stride), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  def forward(params, running, images):
+    """Logits, and the new running statistics when ``running`` is a dict."""
+    new: dict = {}
+
+    def bn(x, path):
+      mean = jnp.mean(x, (0, 1, 2))
+      var = jnp.mean(jnp.square(x - mean), (0, 1, 2))
+      if running is not None:
+        old = running
+        for k in path.split("/"):
+          old = old[k]
+        new[path + "/mean"] = BN_MOMENTUM * old["mean"] + (1 - BN_MOMENTUM) * \
+            jax.lax.stop_gradient(mean)
+        new[path + "/var"] = BN_MOMENTUM * old["var"] + (1 - BN_MOMENTUM) * \
+            jax.lax.stop_gradient(var)
+      p = params
+      for k in path.split("/"):
+        p = p[k]
+      return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+    h = jax.nn.relu(bn(conv(images, params["stem"]["conv"]["kernel"], 2), "stem/bn"))
+    for si, n in enumerate(blocks):
+      for bi in range(n):
+        p = f"stage{si}/block{bi}"
+        blk = params[f"stage{si}"][f"block{bi}"]
+        stride = 2 if (bi == 0 and si > 0) else 1
+        convs = len([k for k in blk if k.startswith("conv")])
+        y = h
+        for j in range(convs):
+          # The stride: on the 3x3 convolution (the bottleneck's second, the basic's first).
+          y = bn(conv(y, blk[f"conv{j}"]["kernel"], stride if j == convs - 2 else 1),
+                 f"{p}/bn{j}")
+          y = jax.nn.relu(y) if j < convs - 1 else y
+        if "proj" in blk:
+          h = bn(conv(h, blk["proj"]["kernel"], stride), f"{p}/proj_bn")
+        h = jax.nn.relu(h + y)
+    logits = jnp.mean(h, (1, 2)) @ params["head"]["kernel"] + params["head"]["bias"]
+    return logits, (_nest(new) if running is not None else None)
+
+  if bn_state:
+    def loss(params, running, batch):
+      images, labels = batch
+      logits, new = forward(params, running, images)
+      return _cross_entropy(logits, labels), new
+  else:
+    def loss(params, batch):
+      images, labels = batch
+      return _cross_entropy(forward(params, None, images)[0], labels)
+
+  batch, like = _images(image, classes, seed + 1)
+  kind = "bottleneck" if block == "bottleneck" else "basic"
+  return Model(name, f"ResNet {'-'.join(map(str, blocks))} ({kind} blocks), width {width}, "
+               f"{image}x{image} images" + (", BatchNorm running stats as model state"
+                                             if bn_state else ""),
+               _make(s, seed, abstract), loss, batch, like, state)
 
 
 # -- thousands of tiny leaves ----------------------------------------------------------

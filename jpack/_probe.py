@@ -58,8 +58,10 @@ verdict holds when the group grows); each keeps its rank, its two largest dims c
 shows), the others to 4. PRNG key and empty leaves are left out. Buckets are packed
 without alignment padding, so slices cut across leaves. The cost does not grow with the
 model: a few eager updates of a few small arrays. The first probe in a process compiles
-the small operations it runs, later ones reuse them, and `checker` keeps each verdict
-per miniature, so ``init`` traced again (eval_shape, jit) does not probe again.
+the small operations it runs, later ones reuse them, and the verdicts are kept for the
+process (the last 64, by optimizer, miniature and target), so ``init`` traced again
+(eval_shape, jit), the same step built again, or `jpack.optax.flat`'s own check after
+``data_parallel``'s, does not probe again.
 
 What cannot be probed: a transformation that still raises on the miniature tree (one
 that needs the loss function, like line searches with ``value_fn=``, or a mask given as
@@ -75,9 +77,11 @@ checked for two.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import math
 import sys
+import threading
 import types
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -104,6 +108,8 @@ _ALLREDUCE = "jpack.optax.allreduce followed by the optimizer on the params tree
 _TARGETS = {"buckets": "buckets (1-D arrays that mix many leaves)",
             "slices": "each device's slice of the buckets",
             "tree": "the params tree"}
+_MAX_VERDICTS = 64  # verdicts kept for the process, the least recently used dropped
+_ANY_AXIS = object()  # in a verdict's key: it holds for every axis name
 
 
 class _Leaf(NamedTuple):
@@ -130,6 +136,7 @@ class _Refusal(NamedTuple):
   advice: str | None  # None: the caller's alternatives
   cause: BaseException | None
   leaves: bool = False  # on the params tree it runs as optax runs it
+  collective: bool = False  # found by a collective over the axis: depends on its name
 
 
 class _PerDevice:
@@ -157,11 +164,10 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
     axis where every device holds the whole gradient). On ``"buckets"`` it returns,
     when buckets would change the result but the params tree does not, the name of the
     transformation that differs (``inner`` must then run on the leaves), else None.
-    Verdicts are kept per miniature.
+    Verdicts are kept for the process (`_cached_verdict`).
   """
   if on not in _ON:
     raise ValueError(f"on must be one of {_ON}, got {on!r}.")
-  verdicts: dict[tuple[_Leaf, ...], _Refusal | None] = {}
   clip = (", jpack.optax.clip_by_global_norm(max_norm, axis_name) to clip by the global "
           "norm" if on == "slices" else "")
   default = f"Use labels= with a dict of transformations for masks{clip}, or {instead}."
@@ -177,9 +183,7 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
     spec = _miniature(layout)
     if not spec:
       return None
-    if spec not in verdicts:
-      verdicts[spec] = _in_worker(lambda: _verdict(inner, spec, on, axis_name))
-    refusal = verdicts[spec]
+    refusal = _cached_verdict(inner, spec, on, axis_name)
     if refusal is None:
       return None
     if on == "buckets" and refusal.leaves:
@@ -188,6 +192,66 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
                     f"{refusal.advice or default}") from refusal.cause
 
   return check
+
+
+class _Verdicts:
+  """The verdicts of the process, least recently used first, keyed by the optimizer
+  (`_identity`), the miniature, the target and the axis name."""
+
+  def __init__(self):
+    self.kept: collections.OrderedDict[Any, _Refusal | None] = collections.OrderedDict()
+    self.lock = threading.Lock()
+
+  def get(self, keys: tuple[Any, ...]) -> tuple[bool, _Refusal | None]:
+    with self.lock:
+      for key in keys:
+        if key in self.kept:
+          self.kept.move_to_end(key)
+          return True, self.kept[key]
+    return False, None
+
+  def put(self, key: Any, verdict: _Refusal | None) -> None:
+    with self.lock:
+      self.kept[key] = verdict
+      while len(self.kept) > _MAX_VERDICTS:
+        self.kept.popitem(last=False)
+
+
+_VERDICTS = _Verdicts()
+
+
+def _cached_verdict(inner: Any, spec: tuple[_Leaf, ...], on: str,
+                    axis_name: Any) -> _Refusal | None:
+  """`_verdict`, probed once per optimizer, miniature, target and axis name in the
+  process. The axis name matters on slices (it is bound there) and to a collective's
+  refusal; any other verdict holds for every axis name, so ``data_parallel``'s check
+  and ``flat``'s (which knows no axis) share it."""
+  base = (_identity(inner), spec, on)
+  try:
+    hash(base + (axis_name,))
+  except TypeError:  # an unhashable part (a transformation object of the user's own)
+    return _in_worker(lambda: _verdict(inner, spec, on, axis_name))
+  found, verdict = _VERDICTS.get((base + (axis_name,), base + (_ANY_AXIS,)))
+  if found:
+    return verdict
+  verdict = _in_worker(lambda: _verdict(inner, spec, on, axis_name))
+  exact = on == "slices" or (verdict is not None and verdict.collective)
+  _VERDICTS.put(base + (axis_name if exact else _ANY_AXIS,), verdict)
+  return verdict
+
+
+def _identity(inner: Any) -> Any:
+  """A hashable stand-in for ``inner`` equal only to itself. An optax transformation is
+  a pair of closures, so two ``adam(1e-3)`` are not equal, and its hyperparameters may
+  be arrays or functions: its ``init`` and ``update`` are compared by identity (the key
+  keeps them alive, so no other function takes their ids while the verdict is kept). A
+  dict of transformations by label: its items."""
+  if isinstance(inner, Mapping):
+    return tuple((label, _identity(tx)) for label, tx in inner.items())
+  init, update = getattr(inner, "init", None), getattr(inner, "update", None)
+  if init is None or update is None:
+    return inner
+  return (type(inner), init, update)
 
 
 def refused(error: BaseException, inner: Any, where: str, when: str) -> TypeError:
@@ -453,7 +517,7 @@ def _verdict(inner: Any, spec: tuple[_Leaf, ...], on: str, axis_name: Any) -> _R
   want_run, want = _reference(tree_tx, mini, on, axis_name)
   if want_run is None:
     if isinstance(want, NameError):
-      return _collective(want, tree_tx, mini, on, axis_name)
+      return _collective(want, tree_tx, mini, on, axis_name)._replace(collective=True)
     if on == "tree":
       return None
     # It needs something of the real params (a mask given as a tree): on the leaves it
@@ -474,7 +538,7 @@ def _verdict(inner: Any, spec: tuple[_Leaf, ...], on: str, axis_name: Any) -> _R
       got_run = got_run._replace(axis_name=axis_name)  # a collective: bind the axis
       got, _ = _run(got_run)
   except NameError as e:
-    return _collective(e, tree_tx, mini, on, axis_name)
+    return _collective(e, tree_tx, mini, on, axis_name)._replace(collective=True)
   except Exception as e:  # noqa: BLE001 - named in the refusal
     return _raised(e, on, f"on {_TARGETS[on]}, though not on the params tree,")._replace(
         leaves=on == "buckets")

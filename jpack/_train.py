@@ -208,9 +208,12 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       params = broadcast(params, axis_name, root=root)
       return TrainState(pack(cast_params(params, param_dtype), layout), tx.init(params),
                         jnp.zeros((), jnp.int32), model_state)
-    params = broadcast(params, axis_name, root=root, layout=layout)
-    if packed_params:
-      params = pack(params, layout)
+    if isinstance(params, Packed):  # packed on the host (`_packed_on_host`)
+      params = broadcast(params, axis_name, root=root)
+    else:
+      params = broadcast(params, axis_name, root=root, layout=layout)
+      if packed_params:
+        params = pack(params, layout)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), model_state)
 
   grads_fn = accumulated_grads(with_state(loss_fn, has_aux, has_state), packed_params,
@@ -222,12 +225,16 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
 
   # What init takes: the params as params_like describes them (full precision).
   init_layout = layout if param_dtype is None else plan(params_like, **plan_options)
+  # Params that init's program takes packed: a few buckets, not an input, a broadcast,
+  # a slice and a pack per leaf (with 4000 leaves that program took a minute to compile).
+  host_packed = packed_params and param_dtype is None
   if use_pmap:
     dp = _build_pmap(local_init, local_step, to_tree, params_like, init_layout, axis_name,
-                     mesh, mode, accumulate, has_state)
+                     mesh, mode, accumulate, has_state, host_packed)
   else:
     dp = _build_shard_map(local_init, local_step, to_tree, params_like, init_layout,
-                          axis_name, mesh, mode, accumulate, has_state, compiler_options)
+                          axis_name, mesh, mode, accumulate, has_state, compiler_options,
+                          host_packed)
   return dp._replace(layout=layout)
 
 
@@ -275,13 +282,39 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
   return local_step
 
 
+def _packed_on_host(params: Any, layout: Layout, host_packed: bool) -> Any:
+  """``params`` packed with numpy, when ``host_packed`` and every leaf is on this host
+  (numpy, or a jax.Array this process holds whole), else as they are: init's program
+  then takes the buckets. A bucket is the leaves' bytes at their offsets and zeros
+  between them, as `jpack.pack` makes it, without compiling a program per layout."""
+  leaves = flatten_like(params, layout)  # before device_put would make float64 float32
+  if not host_packed or not all(
+      isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not
+                                                  isinstance(x, jax.core.Tracer)
+                                                  and x.is_fully_addressable)
+      for x in leaves):
+    return params
+  leaves = jax.device_get(leaves)
+  buckets = [np.zeros(b.size, b.dtype) for b in layout.buckets]
+  for slot, x in zip(layout.slots, leaves):
+    buckets[slot.bucket][slot.offset:slot.offset + slot.size] = np.reshape(x, -1)
+  return Packed(tuple(buckets), layout)
+
+
+def _packed_like(layout: Layout) -> Packed:
+  return Packed(tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in layout.buckets),
+                layout)
+
+
 def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                     mode, accumulate, has_state, compiler_options) -> DataParallel:
+                     mode, accumulate, has_state, compiler_options,
+                     host_packed) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.shard_map`: the state
   replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
   replicated = NamedSharding(mesh, P())
   state_shapes = jax.eval_shape(
       jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
+      _packed_like(layout) if host_packed else
       jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                    params_like))
   state_specs = _state_specs(state_shapes, axis_name, mode)
@@ -296,7 +329,7 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
   def init(params, model_state=None):
     _check_model_state(model_state, has_state)
     _check_same_layout(params, layout)
-    flatten_like(params, layout)  # before device_put would make float64 leaves float32
+    params = _packed_on_host(params, layout, host_packed)
     return init_sm(*jax.tree.map(lambda x: replicate(x, replicated), (params, model_state)))
 
   batch_sharding = NamedSharding(mesh, P(axis_name))
@@ -466,7 +499,7 @@ def _check_not_donated(state: TrainState, fix: str) -> None:
 
 
 def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                mode, accumulate, has_state) -> DataParallel:
+                mode, accumulate, has_state, host_packed) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.pmap`: the state carries a
   leading device axis, and the global batch is split into it."""
   del params_like
@@ -478,7 +511,7 @@ def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name,
   def init(params, model_state=None):
     _check_model_state(model_state, has_state)
     _check_same_layout(params, layout)
-    flatten_like(params, layout)
+    params = _packed_on_host(params, layout, host_packed)
     def stack(x):  # a tracer when init itself is traced (jax.eval_shape, jit)
       if isinstance(x, jax.core.Tracer):
         return jnp.broadcast_to(x, (n,) + x.shape)

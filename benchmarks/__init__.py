@@ -23,4 +23,5 @@ BENCHMARKS = (
     "optimizer",
     "checkpoint",
     "gpu_compile",
+    "startup",
 )

@@ -1,0 +1,102 @@
+"""Startup: the optimizer check's verdicts are kept for the process, init packs the
+params on the host, and the startup benchmark runs (no timing is asserted here)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jpack
+from jpack import _probe
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def params0():
+  rng = np.random.default_rng(0)
+  return {"dense": {"w": rng.normal(size=(6, 4)).astype(np.float32),
+                    "b": np.zeros(4, np.float32)},
+          "out": rng.normal(size=(4, 3)).astype(np.float32)}
+
+
+def loss_fn(params, batch):
+  h = jax.numpy.tanh(batch @ params["dense"]["w"] + params["dense"]["b"])
+  return jax.numpy.mean((h @ params["out"]) ** 2)
+
+
+@pytest.fixture
+def probes(monkeypatch):
+  """The probe runs (calls of `_probe._verdict`), counted from an empty cache."""
+  calls = []
+  verdict = _probe._verdict
+  monkeypatch.setattr(_probe, "_VERDICTS", _probe._Verdicts())
+  monkeypatch.setattr(_probe, "_verdict", lambda *a: calls.append(a[2:]) or verdict(*a))
+  return calls
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded", "allreduce"])
+def test_a_step_built_again_probes_nothing(mode, probes):
+  tx = optax.adamw(1e-3)
+  for _ in range(2):
+    dp = jpack.data_parallel(loss_fn, tx, params0(), mode=mode)
+    dp.init(params0())
+  # Once, for data_parallel's check: flat's own check (which knows no axis name) and the
+  # second build share its verdict.
+  assert probes == [({"packed": "buckets", "sharded": "slices"}.get(mode, "tree"),
+                     "batch")]
+  # Another optimizer object (optax transformations are closures, not values) probes.
+  jpack.data_parallel(loss_fn, optax.adamw(1e-3), params0(), mode=mode)
+  assert len(probes) == 2
+
+
+def test_refusals_are_kept_and_still_raised(probes):
+  tx = optax.chain(optax.clip_by_block_rms(1.0), optax.adam(1e-3))  # per-leaf: not on slices
+  for _ in range(2):
+    with pytest.raises(TypeError, match="clip_by_block_rms cannot run"):
+      jpack.data_parallel(loss_fn, tx, params0(), mode="sharded")
+  assert len(probes) == 1
+
+
+def test_the_cache_is_bounded(probes, monkeypatch):
+  monkeypatch.setattr(_probe, "_MAX_VERDICTS", 2)
+  txs = [optax.sgd(0.1) for _ in range(3)]
+  for tx in txs + txs[-1:]:
+    jpack.optax.flat(tx).init(params0())
+  assert len(probes) == 3 and len(_probe._VERDICTS.kept) == 2
+  jpack.optax.flat(txs[0]).init(params0())  # dropped: probed again
+  assert len(probes) == 4
+
+
+@pytest.mark.parametrize("mode", ["packed", "sharded"])
+def test_init_from_numpy_and_from_arrays_is_the_same_state(mode):
+  # init packs host params with numpy: the buckets must be what jpack.pack makes.
+  dp = jpack.data_parallel(loss_fn, optax.adam(1e-3), params0(), mode=mode)
+  from_numpy = dp.init(params0())
+  from_arrays = dp.init(jax.tree.map(jax.numpy.asarray, params0()))
+  packed = jpack.pack(params0(), dp.layout)
+  for a, b, c in zip(from_numpy.params.buckets, from_arrays.params.buckets, packed.buckets):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes() == np.asarray(c).tobytes()
+  assert (jax.tree.structure(from_numpy.opt_state)
+          == jax.tree.structure(jax.eval_shape(dp.init, params0()).opt_state))
+
+
+def test_startup_benchmark_prints_its_table(tmp_path):
+  out_json = tmp_path / "startup.json"
+  args = ["--sizes", "25", "--models", "none", "--modes", "packed", "--rounds", "1",
+          "--json", str(out_json)]
+  out = subprocess.run([sys.executable, "-m", "benchmarks.startup", *args],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "mlp_25" in out.stdout and "build + init <= 0.5 s" in out.stdout
+  doc = json.loads(out_json.read_text())
+  assert doc["benchmark"] == "startup"
+  (row,) = doc["tables"][0]["rows"]
+  values = row["values"]
+  assert values["leaves"] == 25 and values["mode"] == "packed"
+  assert values["first_s"] == pytest.approx(values["first_build_s"] + values["first_init_s"])
+  assert values["again_s"] > 0

@@ -364,8 +364,8 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
     state = _make({f"{path}/{stat}": ((c,), f32, "zeros" if stat == "mean" else "ones")
                    for path, c in bns.items() for stat in ("mean", "var")}, seed, abstract)
 
-  def conv(x, k, stride=1):
-    return jax.lax.conv_general_dilated(x, k, (stride, stride), "SAME",
+  def conv(x, k, stride=1):  # in the kernel's dtype (bf16 params: bf16 convolutions)
+    return jax.lax.conv_general_dilated(x.astype(k.dtype), k, (stride, stride), "SAME",
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
   def forward(params, running, images):

@@ -242,7 +242,11 @@ def run_workload(name: str, variants: list[str], report: c.Report,
                                            if x.ndim == 2):
       continue  # its weights are bf16 already
     print(f"  {name}: compiling {key} ...", flush=True)
-    results[key] = compile_variant(key, model, mesh)
+    try:
+      results[key] = compile_variant(key, model, mesh)
+    except Exception as e:  # noqa: BLE001 (one variant's failure must not lose the rest)
+      print(f"  {name}: {key} failed: {type(e).__name__}: {e}", flush=True)
+      report.text(f"{name}: {key} failed to compile: {type(e).__name__}: {e}")
   table = c.Table(["variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
                    "overlapped", "temp MiB", "args MiB", "removed: kernels / HBM",
                    "lower + compile s"],
@@ -307,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                                                f"{ROWS_PER_DEVICE} rows per device, adamw"]))
   if args.model:
     run_workload(args.model, variants, report, user_model(args.model))
+    report.write(args)
   for name in [] if args.model else workloads:
     run_workload(name, variants, report)
-  report.write(args)
+    report.write(args)  # after every workload: a long run keeps what it has
   return 0
 
 

@@ -5,7 +5,12 @@ import os
 import pathlib
 import re
 
-import jax
+# The test extra brings JAX's CUDA plugin (to compile for simulated GPUs); on a machine
+# without a GPU it would log a traceback at every start of JAX's backend. The tests run on
+# CPU devices, and so do the processes they start.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
 
 # Must happen before JAX initialises its backend; collective tests need several devices.
 jax.config.update("jax_num_cpu_devices", 8)

@@ -1,7 +1,8 @@
-"""Flax Linen, Flax NNX and Equinox models trained with jpack match plain training.
+"""Flax Linen, Flax NNX, Equinox and Haiku models trained with jpack match plain training.
 
 For each integration the reference is the framework's own single-device training loop on
-the full batch (Flax's TrainState, nnx.Optimizer, eqx.filter_value_and_grad); every
+the full batch (Flax's TrainState, nnx.Optimizer, eqx.filter_value_and_grad; for Haiku's
+BatchNorm, whose state goes through has_state=True, hk.transform_with_state and optax); every
 `jpack.data_parallel` mode on the 8 CPU devices of conftest.py, and a hand-written
 `jax.shard_map` step with `jpack.optax.allreduce`, must land on the same params. The
 how-to pages' code (docs/examples/) runs here too, an Orbax checkpoint of a ZeRO-1 run
@@ -19,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 import equinox as eqx
 import flax
 import flax.linen as nn
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,6 +289,102 @@ def test_orbax_checkpoint_of_a_zero1_run_resumes_on_another_device_count(tmp_pat
   assert_same_params(dp4.params(resumed), dp8.params(state))
 
 
+# Haiku: hk.transform_with_state; BatchNorm's state (moving averages and int32 counters)
+# goes to data_parallel(..., has_state=True) as model_state, not into the params.
+
+def haiku_resnet(x, cross_replica_axis=None):
+  """A residual block with BatchNorm on 4x4 images (the FEATURES as pixels)."""
+  def norm(y):
+    return hk.BatchNorm(True, True, decay_rate=0.9,
+                        cross_replica_axis=cross_replica_axis)(y, is_training=True)
+
+  x = jax.nn.relu(norm(hk.Conv2D(8, 3, with_bias=False)(x.reshape(-1, 4, 4, 1))))
+  y = jax.nn.relu(norm(hk.Conv2D(8, 3, with_bias=False)(x)))
+  x = jax.nn.relu(x + norm(hk.Conv2D(8, 3, with_bias=False)(y)))
+  return hk.Linear(CLASSES)(hk.Flatten()(x))
+
+
+def haiku_loss(cross_replica_axis):
+  model = hk.transform_with_state(lambda x: haiku_resnet(x, cross_replica_axis))
+
+  def loss_fn(params, model_state, batch):
+    x, y = batch
+    logits, model_state = model.apply(params, model_state, None, x)
+    return cross_entropy(logits, y), model_state
+
+  return loss_fn
+
+
+def haiku_sgd():
+  # SGD with momentum, as ResNets are trained. adam would divide by the square root of
+  # second moments that rounding decides for the BatchNorm offsets followed by another
+  # BatchNorm (their gradient is near zero): there, any two reduction orders differ
+  # visibly, and the comparison would test rounding, not jpack.
+  return optax.sgd(0.1, momentum=0.9)
+
+
+def haiku_reference(per_device):
+  """Plain Haiku and optax on one device, on the full batch. Statistics over the whole
+  batch (cross_replica_axis) are BatchNorm on one device; per-device statistics are 8
+  models on 8 slices (vmap), whose gradients and floating state are averaged, and whose
+  counters are equal."""
+  model = hk.transform_with_state(haiku_resnet)
+  params, model_state = model.init(jax.random.key(0), batches()[0][0])
+  loss_fn, tx = haiku_loss(None), haiku_sgd()
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, model_state, opt_state, batch):
+    grad = jax.grad(loss_fn, has_aux=True)
+    if per_device:
+      rows = jax.tree.map(lambda v: v.reshape((8, -1) + v.shape[1:]), batch)
+      grads, new = jax.vmap(grad, in_axes=(None, None, 0))(params, model_state, rows)
+      grads = jax.tree.map(lambda g: g.mean(0), grads)
+      model_state = jax.tree.map(
+          lambda s: s.mean(0) if jnp.issubdtype(s.dtype, jnp.inexact) else s[0], new)
+    else:
+      grads, model_state = grad(params, model_state, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), model_state, opt_state
+
+  for batch in batches():
+    params, model_state, opt_state = step(params, model_state, opt_state, batch)
+  return params, model_state
+
+
+@pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
+@pytest.mark.parametrize("per_device", [False, True], ids=["cross_replica_axis", "per_device"])
+def test_haiku_batch_norm_matches_haiku_on_one_device(mode, per_device):
+  # docs/howto/haiku.md: the params (SGD, within 1e-5 relative to each leaf's largest
+  # entry) and the state (moving averages within the same, int32 counters exactly) of
+  # every mode are those of one device.
+  params, model_state = hk.transform_with_state(haiku_resnet).init(
+      jax.random.key(0), batches()[0][0])
+  dp = jpack.data_parallel(haiku_loss(None if per_device else "batch"), haiku_sgd(),
+                           params, jax.make_mesh((8,), ("batch",)), mode=mode,
+                           has_state=True)
+  state = dp.init(params, model_state)
+  for batch in batches():
+    state, _ = dp.step(state, batch)
+  want_params, want_state = haiku_reference(per_device)
+  moved = max(np.abs(np.asarray(a) - np.asarray(b)).max()
+              for a, b in zip(jax.tree.leaves(want_params), jax.tree.leaves(params)))
+  assert moved > 1e-2  # the reference trained
+  assert_same_params(dp.params(state), want_params)
+  assert_same_params(state.model_state, want_state)
+  counters = [x for x in jax.tree.leaves(state.model_state) if x.dtype == jnp.int32]
+  assert counters and all(int(c) == STEPS for c in counters)
+
+
+def test_haiku_state_in_the_params_is_refused_naming_has_state():
+  # Haiku's state next to the params: its int32 counters cannot be differentiated, and
+  # the error says where the state goes instead.
+  params, model_state = hk.transform_with_state(haiku_resnet).init(
+      jax.random.key(0), batches()[0][0])
+  with pytest.raises(TypeError, match=r"(?s)\['counter'\] has dtype int32.*has_state=True"):
+    jpack.data_parallel(lambda both, batch: 0.0, haiku_sgd(), (params, model_state))
+
+
 # The pages' code: docs/examples/*.py, shown by the pages with pymdownx.snippets.
 
 def test_every_example_is_shown_by_a_page_and_the_pages_show_only_examples():
@@ -294,7 +392,7 @@ def test_every_example_is_shown_by_a_page_and_the_pages_show_only_examples():
   included = {m for text in pages.values()
               for m in re.findall(r'--8<-- "(docs/examples/[\w.]+\.py)(?::\w+)?"', text)}
   assert included == {str(p.relative_to(ROOT)) for p in EXAMPLES}
-  for page in ["flax.md", "nnx.md", "equinox.md"]:  # no code that the tests do not run
+  for page in ["flax.md", "nnx.md", "equinox.md", "haiku.md"]:  # no code the tests do not run
     text = pages[ROOT / "docs" / "howto" / page]
     for block in re.findall(r"^```py[ \t]*\n(.*?)^```", text, re.MULTILINE | re.DOTALL):
       assert block.strip().startswith("--8<--"), f"docs/howto/{page}: untested code {block}"

@@ -1,8 +1,13 @@
 """A whole data-parallel adam step on 8 forced CPU devices: jpack against plain steps.
 
 Every variant trains the same model from the same parameters on the same batch, split
-over the mesh axis ``"batch"`` by ``NamedSharding``, with the state donated. The
-baselines are written here without jpack; all but the jit ones are shard_map steps:
+over the mesh axis ``"batch"`` by ``NamedSharding``, with the state donated. The models:
+real architectures from `benchmarks.models` with their real leaf counts, narrowed (a
+GPT-2 decoder of 12 blocks, width 64, tied embedding, 148 leaves; a ViT encoder of 12
+blocks, 152 leaves; a ResNet-18 of basic blocks, width 16, 62 leaves, whose BatchNorm
+running statistics are model state, ``has_state=True``), per-device batch 4; and MLPs
+of equal-sized leaves, per-device batch 16. The baselines are written here without
+jpack; all but the jit ones are shard_map steps:
 
   per-leaf      per-leaf ``lax.pmean`` of the gradients + optax.adam (the baseline)
   ravel         ``ravel_pytree`` + one pmean + unravel, optax.adam
@@ -16,6 +21,9 @@ baselines are written here without jpack; all but the jit ones are shard_map ste
   hand ZeRO-1   ZeRO-1 with plain jax + optax: <= 4 MiB f32 buckets, a custom-VJP
                 unpack, psum_scatter / all_gather per bucket
 
+The jit steps run on the mesh with Auto axes (XLA picks the shardings inside the step);
+they carry no model state, so they are left out on the ResNet.
+
 The jpack variants:
 
   allreduce     ``jpack.data_parallel(mode="allreduce")``: params a tree, gradients
@@ -23,6 +31,7 @@ The jpack variants:
   optax.chain   ``optax.chain(jpack.optax.allreduce(AXIS, grad_norm=True), optax.adam)``
                 in a plain shard_map step (not on big models); it reports the norm
                 allreduce keeps, as data_parallel does
+  hand pmean    the README's hand-written step: per-leaf's, with ``jpack.pmean(grads)``
   packed        ``mode="packed"``: persistent packed params; the loss unpacks them,
                 gradients arrive packed, adam updates the buckets (no per-step pack)
   packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
@@ -62,6 +71,16 @@ Every block of these rows saves after its first step and waits for the write at 
 loop up); with them, blocks are rounded up to a multiple of 10 steps for every variant.
 On CPU devices the background write shares the host's cores with the steps.
 
+GPT-2's optimizers (on ``gpt2_12x64`` by default), each against per-leaf optax with the
+same optimizer (speed-up and max |Δp| are against that row):
+
+  adamw(mask=)  ``optax.adamw(lr, weight_decay=0.1, mask=<matrices and embeddings>)``:
+                per-leaf; ``mode="packed"`` (the masked decay runs on the leaves); and
+                ``mode="sharded"`` with ``labels=`` and {decay: adamw, no_decay: adam}
+  lamb, muon    ``optax.lamb``, ``optax.contrib.muon``: per-leaf and ``mode="packed"``
+                (the parts that need whole leaves run on them); ``mode="sharded"``
+                refuses them (a TypeError), shown as a "refused" row
+
 And bounds, which are not adam steps:
 
   grads only    loss + gradients, no collective, no update. Every step does at least
@@ -73,9 +92,10 @@ And bounds, which are not adam steps:
 
 Reported per variant: compile time (lower + compile of the step); median step time over
 several timed blocks of steps (variants interleaved, block by block); speed-up over
-per-leaf; "gap closed", the share of per-leaf's time above the grads-only floor that the
-variant removes, (t_per_leaf - t_variant) / (t_per_leaf - t_grads_only), all from the same
-run; for the accumulation rows, the speed-up over per-leaf + MultiSteps; the collectives
+per-leaf (the ratio of the medians) and its spread, the lowest and highest of the
+block-by-block ratios (the same round's times); "gap closed", the share of per-leaf's
+time above the grads-only floor that the variant removes, (t_per_leaf - t_variant) /
+(t_per_leaf - t_grads_only), all from the same run; for the accumulation rows, the speed-up over per-leaf + MultiSteps; the collectives
 in the compiled step (AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all)
 and their bytes, counted once per program (ops inside a loop body are marked, and run
 once per iteration); optimizer-state bytes per device; the bytes of params + optimizer
@@ -83,7 +103,7 @@ state (masters and moments) per device, also in units of Ψ = the parameter coun
 the largest parameter difference from the per-leaf variant after the same steps (a
 sanity check: every adam variant is the same optimizer, with the same updates).
 
-    python -m benchmarks step                  # mlp_40x256 and mlp_24x1024
+    python -m benchmarks step                  # GPT-2, ViT, ResNet-18, the two MLPs
     python -m benchmarks step --quick          # mlp_40x256 only, fewer steps
     python -m benchmarks step --models mlp_400x32 --markdown step.md
     python -m benchmarks step --models resnet50   # ResNet-50 shapes, no compute to hide copies
@@ -114,18 +134,28 @@ from jax.sharding import PartitionSpec as P
 import jpack
 from benchmarks import _common as c
 from benchmarks import checkpoint as ckpt
+from benchmarks import models
+from benchmarks.models import Model
 
 NUM_DEVICES = 8
 AXIS = "batch"
 PER_DEVICE_BATCH = 16
+REAL_MODEL_BATCH = 4  # per device, on the real architectures (their compute is larger)
 LEARNING_RATE = 1e-3
 
 # Targets: step-time speed-up over the per-leaf step, same run. mlp_24x1024 has about
 # ResNet-50's parameter count (25.2 M).
+# On the real architectures: the default mode 1.3x, ZeRO-1 1.5x, the hand-written
+# jpack.pmean step 1.0x; ZeRO-1 with GPT-2's other optimizers 1.2x over per-leaf optax
+# with the same optimizer.
+REAL_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow")
 GOALS = {("mlp_40x256", "allreduce"): 1.0, ("mlp_40x256", "optax_chain"): 1.0,
          ("mlp_40x256", "packed"): 1.0,
          ("mlp_40x256", "sharded"): 2.5, ("mlp_24x1024", "allreduce"): 1.0,
-         ("mlp_24x1024", "packed"): 1.0, ("mlp_24x1024", "sharded"): 1.5}
+         ("mlp_24x1024", "packed"): 1.0, ("mlp_24x1024", "sharded"): 1.5,
+         **{(m, k): g for m in REAL_MODELS
+            for k, g in (("packed", 1.3), ("sharded", 1.5), ("hand_pmean", 1.0))},
+         **{("gpt2_12x64", f"sharded_{o}"): 1.2 for o in ("adamw_mask", "lamb", "muon")}}
 
 VARIANTS = {
     "per_leaf": "per-leaf pmean",
@@ -135,6 +165,7 @@ VARIANTS = {
     "jit_zero1": "jit, ZeRO-1 by sharding",
     "allreduce": "jpack allreduce",
     "optax_chain": "optax.chain(jpack.optax.allreduce, adam)",
+    "hand_pmean": "hand-written jpack.pmean step",
     "packed": "jpack packed",
     "packed_bf16": "jpack packed bf16",
     "sharded": "jpack sharded",
@@ -150,19 +181,57 @@ VARIANTS = {
     "sharded_sgd": "bound: ZeRO-1 with sgd",
     "packed_save10": f"jpack packed, async save every {ckpt.EVERY}",
     "sharded_save10": f"jpack sharded, async save every {ckpt.EVERY}",
+    # GPT-2's optimizers, each against per-leaf optax with the same optimizer.
+    "per_leaf_adamw_mask": "per-leaf, adamw(mask=no decay on biases, norms)",
+    "packed_adamw_mask": "jpack packed, adamw(mask=...)",
+    "sharded_adamw_mask": "jpack sharded, adamw/adam by labels=",
+    "per_leaf_lamb": "per-leaf, lamb",
+    "packed_lamb": "jpack packed, lamb",
+    "sharded_lamb": "jpack sharded, lamb",
+    "per_leaf_muon": "per-leaf, contrib.muon",
+    "packed_muon": "jpack packed, contrib.muon",
+    "sharded_muon": "jpack sharded, contrib.muon",
 }
 ACCUMULATE = 4  # micro-batches per step of the accumulation rows
 MULTISTEPS = "per_leaf_multisteps4"  # their baseline
 
 
+WEIGHT_DECAY = 0.1  # GPT-2's adamw
+
+
+def decays(params: Any) -> Any:
+  """GPT-2's weight-decay mask: decay on matrices and embeddings, not on biases and norms."""
+  return jax.tree.map(lambda x: np.ndim(x) >= 2, params)
+
+
+def adamw_mask(lr: float) -> optax.GradientTransformation:
+  """GPT-2's recipe, as users write it."""
+  return optax.adamw(lr, weight_decay=WEIGHT_DECAY, mask=decays)
+
+
+def adamw_by_label(lr: float) -> dict[str, optax.GradientTransformation]:
+  """The same as `labels=` takes it: adamw where `decays`, adam (adamw without its
+  decay) elsewhere, each label in its own buckets."""
+  return {"decay": optax.adamw(lr, weight_decay=WEIGHT_DECAY), "no_decay": optax.adam(lr)}
+
+
+def decay_labels(params: Any) -> Any:
+  return jax.tree.map(lambda d: "decay" if d else "no_decay", decays(params))
+
+
+# GPT-2's other optimizers (`--models gpt2_12x64`): per-leaf optax, packed, sharded.
+OPTIMIZERS = {"adamw_mask": adamw_mask, "lamb": optax.lamb, "muon": optax.contrib.muon}
+
+
 class JpackVariant(NamedTuple):
   """The `jpack.data_parallel` arguments of a variant."""
   mode: str
-  optimizer: Callable[[float], optax.GradientTransformation] = optax.adam
+  optimizer: Callable[[float], Any] = optax.adam
   comm_dtype: Any = None
   param_dtype: Any = None
   accumulate: int = 1
   accumulator: str = "local"
+  labels: Callable[[Any], Any] | None = None  # params -> labels= (then optimizer: a dict)
 
 
 DATA_PARALLEL = {
@@ -179,12 +248,30 @@ DATA_PARALLEL = {
     "sharded_sgd": JpackVariant("sharded", optimizer=optax.sgd),
     "packed_save10": JpackVariant("packed"),
     "sharded_save10": JpackVariant("sharded"),
+    "packed_adamw_mask": JpackVariant("packed", optimizer=adamw_mask),
+    "sharded_adamw_mask": JpackVariant("sharded", optimizer=adamw_by_label,
+                                       labels=decay_labels),
+    "packed_lamb": JpackVariant("packed", optimizer=optax.lamb),
+    "sharded_lamb": JpackVariant("sharded", optimizer=optax.lamb),
+    "packed_muon": JpackVariant("packed", optimizer=optax.contrib.muon),
+    "sharded_muon": JpackVariant("sharded", optimizer=optax.contrib.muon),
 }
+# Each variant's per-leaf baseline (the same optimizer): speed-up and max |Δp| are
+# against it. The others' is "per_leaf" (adam).
+BASELINES = {f"{mode}_{o}": f"per_leaf_{o}" for o in OPTIMIZERS
+             for mode in ("packed", "sharded")}
+OPTIMIZER_VARIANTS = tuple(k for o in OPTIMIZERS
+                           for k in (f"per_leaf_{o}", f"packed_{o}", f"sharded_{o}"))
 # Variants that save a checkpoint every ckpt.EVERY steps, and the variant each is timed
 # against: the same step without saves.
 SAVING = {"packed_save10": "packed", "sharded_save10": "sharded"}
 # Variants that are not adam, or not a step: no parameter comparison with per-leaf.
-NOT_COMPARABLE = ("per_leaf", "grad_only", "packed_grad_only", "sharded_sgd")
+NOT_COMPARABLE = ("per_leaf", "grad_only", "packed_grad_only", "sharded_sgd",
+                  *(f"per_leaf_{o}" for o in OPTIMIZERS))
+# Variants that carry a model's state (`Model.has_state`: the ResNet's BatchNorm
+# running statistics); the others are skipped on such a model.
+WITH_STATE = ("per_leaf", "hand_pmean", "optax_chain", "ravel", "flatten", "allreduce",
+              "packed", "sharded", "grad_only", "packed_grad_only")
 # Variants whose params are bf16: their difference from per-leaf is the rounding's.
 BF16_PARAMS = tuple(k for k, v in DATA_PARALLEL.items() if v.param_dtype is not None)
 # Variants that accumulate micro-batches, compared with per-leaf + MultiSteps.
@@ -193,23 +280,6 @@ FLOOR = "grad_only"
 
 
 # -- models ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Model:
-  name: str
-  describe: str
-  params: Any                       # numpy tree (host), initial parameters
-  loss: Callable[[Any, Any], jax.Array]
-  batch: Callable[[int], Any]       # global batch size -> numpy batch
-
-  @property
-  def num_leaves(self) -> int:
-    return len(jax.tree.leaves(self.params))
-
-  @property
-  def num_params(self) -> int:
-    return sum(np.size(x) for x in jax.tree.leaves(self.params))
 
 
 def mlp(depth: int, width: int, seed: int = 0) -> Model:
@@ -256,7 +326,25 @@ def shape_table(name: str, seed: int = 0) -> Model:
   return Model(name, f"{name} shapes, quadratic loss", params, loss, batch)
 
 
+# The real architectures (`benchmarks.models`) with their real models' leaf counts,
+# narrowed to what 8 simulated CPU devices time in seconds: GPT-2 small's 148 leaves
+# (tied embedding), ViT-B/16's 152, ResNet-18's 62 (basic blocks) with 40 BatchNorm
+# running statistics as model state. The tiny ones are smoke tests of the benchmark.
 MODELS = {
+    "gpt2_12x64": lambda: models.gpt2(layers=12, width=64, vocab=1024, positions=32,
+                                      heads=4, seq=16, name="gpt2_12x64"),
+    "vit_12x64": lambda: models.vit(layers=12, width=64, patch=8, image=32, classes=100,
+                                    heads=4, name="vit_12x64"),
+    "resnet18_narrow": lambda: models.resnet(models.RESNET18_BLOCKS, width=16, image=32,
+                                             classes=100, block="basic", bn_state=True,
+                                             name="resnet18_narrow"),
+    "gpt2_2x16": lambda: models.gpt2(layers=2, width=16, vocab=64, positions=8, heads=2,
+                                     seq=4, name="gpt2_2x16"),
+    "vit_2x16": lambda: models.vit(layers=2, width=16, patch=4, image=8, classes=10,
+                                   heads=2, name="vit_2x16"),
+    "resnet18_tiny": lambda: models.resnet(models.RESNET18_BLOCKS, width=4, image=8,
+                                           classes=10, block="basic", bn_state=True,
+                                           name="resnet18_tiny"),
     "mlp_40x256": lambda: mlp(40, 256),
     "resnet50": lambda: shape_table("resnet50"),
     "mlp_24x1024": lambda: mlp(24, 1024),
@@ -266,7 +354,14 @@ MODELS = {
     # and f32 bytes compare exactly 1:2.
     "mlp_4x256": lambda: mlp(4, 256),
 }
-DEFAULT_MODELS = ("mlp_40x256", "mlp_24x1024")
+DEFAULT_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow", "mlp_40x256", "mlp_24x1024")
+# What runs on the real architectures by default: the modes, the steps users write by
+# hand, the jit baselines and the floor; on GPT-2 also its optimizers.
+# (Each costs a compilation of a 12-block model: about a minute on a busy 2-core host.)
+REAL_MODEL_VARIANTS = ("per_leaf", "jit", "jit_zero1", "hand_pmean", "packed", "sharded")
+MODEL_VARIANTS = {"gpt2_12x64": REAL_MODEL_VARIANTS + OPTIMIZER_VARIANTS,
+                  "vit_12x64": REAL_MODEL_VARIANTS,
+                  "resnet18_narrow": REAL_MODEL_VARIANTS}
 # Every variant keeps its state alive while they are timed round-robin: on big models
 # only these run by default (ResNet-50 holds gigabytes of replicated state per variant;
 # the sharded ones added to the list hold little).
@@ -283,12 +378,13 @@ class State(NamedTuple):
   """What the steps written here carry from one step to the next."""
   params: Any     # a tree, or buckets
   opt_state: Any  # the optimizer state (per-device slices for ZeRO-1)
+  model_state: Any = None  # the model's state (`Model.has_state`), replicated
 
 
 class Step(NamedTuple):
   """A variant's functions, the three that `jpack.DataParallel` also has, and how many
   calls of ``step`` make one measured step (each on that share of every device's rows)."""
-  init: Callable[[Any], Any]                    # host params -> placed state
+  init: Callable[..., Any]  # host params (and model state, if any) -> placed state
   step: Callable[[Any, Any], tuple[Any, dict]]  # (state, batch) -> (new state, metrics)
   params: Callable[[Any], Any]                  # state -> params as the original tree
   calls: int = 1
@@ -319,29 +415,45 @@ def _record_norm() -> optax.GradientTransformation:
       lambda updates, state, params=None: (updates, optax.tree.norm(updates)))
 
 
+def _loss_and_grads(model: Model, params: Any, model_state: Any, batch: Any,
+                    to_tree: Callable[[Any], Any] = lambda p: p
+                    ) -> tuple[jax.Array, Any, Any]:
+  """Loss, gradients w.r.t. ``params`` (``to_tree`` makes the model's params of them)
+  and the new model state (averaged over the axis leaf by leaf, as `jpack.data_parallel`
+  averages it; None without state) of this device's batch."""
+  if not model.has_state:
+    loss, grads = jax.value_and_grad(lambda p: model.loss(to_tree(p), batch))(params)
+    return loss, grads, None
+  (loss, new), grads = jax.value_and_grad(
+      lambda p: model.loss(to_tree(p), model_state, batch), has_aux=True)(params)
+  return loss, grads, jax.tree.map(lambda x: jax.lax.pmean(x, AXIS), new)
+
+
 def _plain_step(model: Model, mesh, reduce: optax.GradientTransformation,
                 optimizer: optax.GradientTransformation, record_norm: bool = True) -> Step:
   """A data-parallel step as written without `jpack.data_parallel`: a shard_map step on
   replicated params whose optimizer is ``optax.chain(reduce, <record the norm>,
   optimizer)``, ``reduce`` averaging the per-device gradients over the axis. Without
   ``record_norm`` the chain is ``optax.chain(reduce, optimizer)``, and the norm is the
-  one ``reduce`` keeps in its state, if it keeps one (`jpack.optax.allreduce` does)."""
+  one ``reduce`` keeps in its state, if it keeps one (`jpack.optax.allreduce` does).
+  A model's state is carried and averaged (`_loss_and_grads`)."""
   tx = optax.chain(reduce, *([_record_norm()] if record_norm else []), optimizer)
 
   def local_step(state, batch):
-    loss, grads = jax.value_and_grad(model.loss)(_per_device(state.params), batch)
+    loss, grads, model_state = _loss_and_grads(model, _per_device(state.params),
+                                               state.model_state, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     norm = opt_state[1] if record_norm else getattr(opt_state[0], "grad_norm", None)
-    return (State(optax.apply_updates(state.params, updates), opt_state),
+    return (State(optax.apply_updates(state.params, updates), opt_state, model_state),
             {"loss": jax.lax.pmean(loss, AXIS), "grad_norm": norm})
 
-  init = jax.jit(jax.shard_map(lambda p: State(p, tx.init(p)), mesh=mesh, in_specs=P(),
-                               out_specs=P()))
+  init = jax.jit(jax.shard_map(lambda p, m: State(p, tx.init(p), m), mesh=mesh,
+                               in_specs=P(), out_specs=P()))
   step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(AXIS)),
                                out_specs=(P(), P())), donate_argnums=0)
   replicated = NamedSharding(mesh, P())
-  return Step(lambda params: init(jax.device_put(params, replicated)), step,
-              lambda state: state.params)
+  return Step(lambda params, model_state=None: init(
+      *jax.device_put((params, model_state), replicated)), step, lambda state: state.params)
 
 
 def _zero1_sharding(x: jax.ShapeDtypeStruct, mesh) -> NamedSharding:
@@ -393,10 +505,9 @@ def _jit_step(model: Model, mesh, zero1: bool = False,
 def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Step:
   """The compute every data-parallel step shares: per-device loss and gradients (with a
   ``layout``: of params kept packed, the loss unpacking them)."""
-  loss_fn = model.loss if layout is None else lambda p, b: model.loss(jpack.unpack(p), b)
-
   def local_step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(_per_device(state.params), batch)
+    loss, grads, _ = _loss_and_grads(model, _per_device(state.params), state.model_state,
+                                     batch, (lambda p: p) if layout is None else jpack.unpack)
     # Gradients are outputs (per device), so XLA cannot drop their computation.
     return state, {"loss": jax.lax.pmean(loss, AXIS),
                    "grads": jax.tree.map(lambda g: g[None], grads)}
@@ -411,8 +522,8 @@ def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Step:
       lambda params: jpack.pack(params, layout))
   to_tree = (lambda state: state.params) if layout is None else (
       lambda state: jpack.unpack(state.params))
-  return Step(lambda params: State(jax.device_put(prepare(params), replicated), ()), step,
-              to_tree)
+  return Step(lambda params, model_state=None: State(
+      *jax.device_put((prepare(params), (), model_state), replicated)), step, to_tree)
 
 
 def _buckets_of(params: Any, n: int, bucket_bytes: int) -> tuple[list[list[int]], list[int]]:
@@ -517,23 +628,38 @@ def _multi_steps(model: Model, mesh, k: int) -> Step:
   return step._replace(calls=k)
 
 
+def _auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """``mesh`` with Auto axes, as a plain jit user has it: XLA chooses the shardings
+  inside the step (under Explicit axes, an embedding lookup's would have to be spelled
+  out)."""
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
 def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
   """Variant ``key``'s step: a `Step`, or the `jpack.DataParallel` of a jpack mode."""
   if key in DATA_PARALLEL:
     v = DATA_PARALLEL[key]
+    labels = {} if v.labels is None else {"labels": v.labels(model.params)}
     return jpack.data_parallel(model.loss, v.optimizer(LEARNING_RATE), model.params, mesh,
                                axis_name=AXIS, mode=v.mode, comm_dtype=v.comm_dtype,
                                param_dtype=v.param_dtype, accumulate=v.accumulate,
-                               accumulator=v.accumulator, **plan_options)
+                               accumulator=v.accumulator, has_state=model.has_state,
+                               **labels, **plan_options)
   adam = optax.adam(LEARNING_RATE)
   per_leaf = optax.stateless(_per_leaf_pmean)
+  if key in OPTIMIZER_VARIANTS:  # per_leaf_<optimizer>
+    return _plain_step(model, mesh, per_leaf, OPTIMIZERS[key[len("per_leaf_"):]](LEARNING_RATE))
   builders = {
       "per_leaf": lambda: _plain_step(model, mesh, per_leaf, adam),
+      "hand_pmean": lambda: _plain_step(
+          model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS, **plan_options)),
+          adam),
       MULTISTEPS: lambda: _multi_steps(model, mesh, ACCUMULATE),
       "ravel": lambda: _plain_step(model, mesh, optax.stateless(_ravel_pmean), adam),
       "flatten": lambda: _plain_step(model, mesh, per_leaf, optax.flatten(adam)),
-      "jit": lambda: _jit_step(model, mesh),
-      "jit_zero1": lambda: _jit_step(model, mesh, zero1=True),
+      "jit": lambda: _jit_step(model, _auto(mesh)),
+      "jit_zero1": lambda: _jit_step(model, _auto(mesh), zero1=True),
       "optax_chain": lambda: _plain_step(
           model, mesh, jpack.optax.allreduce(AXIS, grad_norm=True, **plan_options), adam,
           record_norm=False),
@@ -646,8 +772,11 @@ class _Saves:
 def _prepare(model: Model, key: str, mesh, batch, plan_options: dict,
              directory: Any = None) -> _Prepared:
   step = build(key, model, mesh, plan_options)
+  if key in ("jit", "jit_zero1"):  # on their mesh with Auto axes (`_auto`)
+    batch = jax.device_put(batch, NamedSharding(_auto(mesh), P(AXIS)))
   batches = _micro_batches(batch, getattr(step, "calls", 1), mesh.shape[AXIS])
-  state = jax.block_until_ready(step.init(model.params))
+  state = jax.block_until_ready(step.init(model.params, model.state) if model.has_state
+                                else step.init(model.params))
   compiled = c.compile_fn(step.step, state, batches[0], jit_kwargs={"donate_argnums": 0})
   for b in batches:  # warm-up: one whole step, so every variant takes as many updates
     state, _ = compiled.fn(state, b)
@@ -700,25 +829,37 @@ def _result(p: _Prepared, metrics: dict) -> Result:
 
 
 def _measure(model: Model, keys: list[str], mesh, batch, *, steps: int, blocks: int,
-             plan_options: dict) -> dict[str, Result]:
+             plan_options: dict) -> dict[str, Result | str]:
   """Compile every variant, then time them round-robin, block by block.
 
   Interleaving spreads slow phases of a shared machine over all variants instead of
   charging them to whichever happened to run then: the ratios are what matters. The
-  checkpoint rows write into a temporary directory, removed at the end.
+  checkpoint rows write into a temporary directory, removed at the end. A jpack variant
+  that `jpack.data_parallel` refuses (a TypeError: ZeRO-1 with an optimizer that needs
+  whole leaves) is the refusal's message instead of a `Result`.
   """
   with tempfile.TemporaryDirectory(prefix="jpack-step-bench-") as tmp:
-    prepared = {}
+    prepared: dict[str, _Prepared | str] = {}
     for key in keys:
       print(f"   {VARIANTS[key]} ...", end="", flush=True)
-      prepared[key] = p = _prepare(model, key, mesh, batch, plan_options, pathlib.Path(tmp))
+      try:
+        prepared[key] = p = _prepare(model, key, mesh, batch, plan_options,
+                                     pathlib.Path(tmp))
+      except TypeError as e:
+        if key not in DATA_PARALLEL:
+          raise
+        prepared[key] = f"refused: {e}"
+        print(f" refused (TypeError: {str(e).splitlines()[0][:100]}...)", flush=True)
+        continue
       c.release_host_memory()
       print(f" compile {c.fmt_s(p.compiled.total_s)} s", flush=True)
+    timed = {key: p for key, p in prepared.items() if not isinstance(p, str)}
     metrics = {}
     for _ in range(blocks):
-      for key, p in prepared.items():
+      for key, p in timed.items():
         metrics[key] = _time_block(p, steps)
-    return {key: _result(p, metrics[key]) for key, p in prepared.items()}
+    return {key: p if isinstance(p, str) else _result(p, metrics[key])
+            for key, p in prepared.items()}
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -787,10 +928,23 @@ def _saving_values(r: Result, plain: Result | None) -> dict[str, Any]:
           "no_saves_key": plain and plain.key}
 
 
+def spread(base: Result | None, r: Result) -> tuple[float, float] | None:
+  """The lowest and highest of the block-by-block speed-ups (``base``'s block time over
+  ``r``'s in the same round): how far the ratio moved over the interleaved rounds."""
+  if base is None or len(base.block_s) != len(r.block_s):
+    return None
+  ratios = [a / b for a, b in zip(base.block_s, r.block_s)]
+  return min(ratios), max(ratios)
+
+
+def _fmt_spread(x: tuple[float, float] | None) -> str:
+  return "-" if x is None else f"{x[0]:.2f}–{x[1]:.2f}"
+
+
 def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: int,
                 blocks: int, per_device_batch: int = PER_DEVICE_BATCH,
                 plan_options: dict | None = None,
-                num_devices: int = NUM_DEVICES) -> dict[str, Result]:
+                num_devices: int = NUM_DEVICES) -> dict[str, Result | str]:
   plan_options = plan_options or {}
   mesh = jax.make_mesh((num_devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
                        devices=jax.devices()[:num_devices])
@@ -803,20 +957,30 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
   results = _measure(model, variants, mesh, batch, steps=steps, blocks=blocks,
                      plan_options=plan_options)
 
-  base, floor = results.get("per_leaf"), results.get(FLOOR)
-  multi = results.get(MULTISTEPS)
-  table = c.Table(["variant", "compile s", "step ms", "speed-up", "vs MultiSteps",
+  timed = {k: r for k, r in results.items() if not isinstance(r, str)}
+  floor, multi = timed.get(FLOOR), timed.get(MULTISTEPS)
+  table = c.Table(["variant", "compile s", "step ms", "speed-up", "spread", "vs MultiSteps",
                    "gap closed", "vs no saves", "save call ms", "goal", "collectives",
                    "coll. bytes", "opt state/dev", "params+opt/dev", "max |Δp| vs per-leaf"],
                   title=f"{model.describe} ({model.num_leaves} leaves, "
                         f"{model.num_params / 1e6:.2f} M params), adam, {num_devices} devices")
   for key, r in results.items():
+    base = timed.get(BASELINES.get(key, "per_leaf"))
+    goal = GOALS.get((model.name, key))
+    common = dict(model=model.name, key=key, leaves=model.num_leaves,
+                  params=model.num_params, psi=model.num_params,
+                  baseline=BASELINES.get(key, "per_leaf"), goal_speedup=goal)
+    if isinstance(r, str):  # refused by data_parallel
+      table.add(VARIANTS[key], "-", "refused", "-", "-", "-", "-", "-", "-",
+                "" if goal is None else f">={goal:g}x {c.verdict(False)}", "-", "-", "-",
+                "-", "-", refused=r, **common)
+      continue
     speedup = c.ratio(base.step_s, r.step_s) if base else None
+    low_high = spread(base, r)
     vs_multi = c.ratio(multi.step_s, r.step_s) if multi and key in ACCUMULATING else None
     closed = (None if key in SAVING else
               gap_closed(base and base.step_s, r.step_s, floor and floor.step_s))
-    saving = _saving_values(r, results.get(SAVING.get(key)))
-    goal = GOALS.get((model.name, key))
+    saving = _saving_values(r, timed.get(SAVING.get(key)))
     verdict = "" if goal is None or speedup is None else (
         f">={goal:g}x {c.verdict(speedup >= goal)}")
     diff = (None if key in NOT_COMPARABLE or base is None
@@ -825,18 +989,18 @@ def bench_model(model: Model, variants: list[str], report: c.Report, *, steps: i
                   if multi and key in ACCUMULATING and key != MULTISTEPS else None)
     coll_bytes = sum(r.colls.result_bytes.values())
     table.add(VARIANTS[key], c.fmt_s(r.compiled.total_s), c.fmt_ms(r.step_s),
-              c.fmt_ratio(speedup), c.fmt_ratio(vs_multi), _fmt_share(closed),
-              c.fmt_ratio(saving["vs_no_saves"]), c.fmt_ms(saving["save_call_s"]), verdict,
+              c.fmt_ratio(speedup), _fmt_spread(low_high), c.fmt_ratio(vs_multi),
+              _fmt_share(closed), c.fmt_ratio(saving["vs_no_saves"]),
+              c.fmt_ms(saving["save_call_s"]), verdict,
               _collectives_cell(r), c.human_bytes(coll_bytes) if coll_bytes else "-",
               c.human_bytes(r.opt_bytes), _state_cell(r.state_bytes, model.num_params),
-              _diff_cell(key, diff),
-              model=model.name, key=key, leaves=model.num_leaves, params=model.num_params,
-              psi=model.num_params, param_dtype=_param_dtype(key),
+              _diff_cell(key, diff), **common, param_dtype=_param_dtype(key),
               accumulate=_accumulate(key), calls_per_step=r.calls,
               lower_s=r.compiled.lower_s, compile_s=r.compiled.compile_s, step_s=r.step_s,
               block_step_s=r.block_s, speedup_vs_per_leaf=speedup,
+              speedup_min=low_high and low_high[0], speedup_max=low_high and low_high[1],
               speedup_vs_multisteps=vs_multi, gap_closed=closed,
-              goal_speedup=goal, **c.collective_values(r.colls),
+              **c.collective_values(r.colls),
               collectives_in_loop=r.loop_colls.count,
               collective_bytes_in_loop=r.loop_colls.result_bytes,
               opt_state_bytes=r.opt_bytes, state_bytes_per_device=r.state_bytes,
@@ -865,8 +1029,9 @@ def _parser() -> argparse.ArgumentParser:
                            f"{ckpt.EVERY} with the checkpoint rows)")
   parser.add_argument("--blocks", type=c.positive_int, default=None,
                       help="timed blocks (median; default 5)")
-  parser.add_argument("--batch", type=c.positive_int, default=PER_DEVICE_BATCH,
-                      help=f"per-device batch (default {PER_DEVICE_BATCH})")
+  parser.add_argument("--batch", type=c.positive_int, default=None,
+                      help=f"per-device batch (default {PER_DEVICE_BATCH}; "
+                           f"{REAL_MODEL_BATCH} on {', '.join(REAL_MODELS)})")
   parser.add_argument("--bucket-bytes", type=c.positive_int, default=None,
                       help="jpack.plan bucket_bytes (default: jpack's, 4 MiB)")
   parser.add_argument("--solo-bytes", type=int, default=None,
@@ -930,7 +1095,8 @@ def main(argv: list[str] | None = None) -> int:
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
   explicit = args.variants != parser.get_default("variants")
-  variants = _with_accumulation(variants, args.batch, explicit=explicit, error=parser.error)
+  variants = _with_accumulation(variants, args.batch or PER_DEVICE_BATCH, explicit=explicit,
+                                error=parser.error)
   c.require_devices(args.devices)
   steps = args.steps or (5 if args.quick else 10)
   blocks = args.blocks or (3 if args.quick else 5)
@@ -942,19 +1108,32 @@ def main(argv: list[str] | None = None) -> int:
   if args.solo_bytes is not None:
     plan_options["solo_bytes"] = args.solo_bytes or None
   report = c.Report("jpack data-parallel step benchmark", "step", argv)
+  default_batch = f"{PER_DEVICE_BATCH} ({REAL_MODEL_BATCH} on {', '.join(REAL_MODELS)})"
   c.banner("benchmarks.step", [
       f"{args.devices} {jax.devices()[0].platform.upper()} devices, mesh axis ('{AXIS}',) "
       f"(shard_map, or jit by NamedSharding), "
       f"optax.adam({LEARNING_RATE:g}), "
-      f"per-device batch {args.batch}, plan options {plan_options or 'default'}; step time "
+      f"per-device batch {args.batch or default_batch}, plan options "
+      f"{plan_options or 'default'}; step time "
       f"= median of {blocks} blocks of {steps} steps, variants interleaved block by block"])
   for name in names:
     model = MODELS[name]()
     chosen = variants
-    if args.variants == parser.get_default("variants") and model.num_params > BIG_MODEL_PARAMS:
+    if not explicit and name in MODEL_VARIANTS:
+      chosen = [v for v in variants if v in MODEL_VARIANTS[name]]
+    elif not explicit and model.num_params > BIG_MODEL_PARAMS:
       chosen = [v for v in variants if v in BIG_MODEL_VARIANTS]
+    elif not explicit:
+      chosen = [v for v in variants if v not in OPTIMIZER_VARIANTS]
+    if model.has_state:
+      skipped = [v for v in chosen if v not in WITH_STATE]
+      if skipped:
+        print(f"({name} has model state, which {', '.join(skipped)} do not carry: skipped)")
+      chosen = [v for v in chosen if v in WITH_STATE]
     bench_model(model, chosen, report, steps=steps, blocks=blocks,
-                per_device_batch=args.batch, plan_options=plan_options,
+                per_device_batch=args.batch or (
+                    REAL_MODEL_BATCH if name in REAL_MODELS else PER_DEVICE_BATCH),
+                plan_options=plan_options,
                 num_devices=args.devices)
     del model
     c.release_host_memory()
@@ -965,6 +1144,12 @@ def main(argv: list[str] | None = None) -> int:
               "ops in the compiled step, bytes = their result bytes; ops in a loop body "
               "(lax.scan's micro-steps) are counted once and run once per iteration; "
               "\"xK calls\": one step calls the compiled program K times.")
+  report.text("spread = the lowest and the highest of the block-by-block speed-ups (the "
+              "baseline's block time over the variant's in the same round). The rows of "
+              "GPT-2's optimizers (adamw(mask=...), lamb, contrib.muon) are compared with "
+              "per-leaf optax with the same optimizer; refused = jpack.data_parallel raised "
+              "a TypeError naming the transformation (ZeRO-1 needs elementwise "
+              "optimizers; mode='packed' runs these).")
   report.text("bf16 params: params kept and used by the loss in bfloat16, f32 masters in "
               "the optimizer state; the difference from per-leaf's params is bf16 "
               "rounding. params+opt/dev: bytes of params + optimizer state (masters and "

@@ -72,8 +72,8 @@ def test_step_benchmark_every_mode_matches_per_leaf(step_run):
   sgd = [r for r in table_rows(text, "bound: ZeRO-1 with sgd")][-1]
   assert any("RS" in cell for cell in sgd) and sgd[-1] == "-"  # not adam: no comparison
   # Per-leaf removes none of its own time above the floor; the floor all of it.
-  assert [r for r in table_rows(text, "per-leaf pmean")][-1][5] == "0%"
-  assert [r for r in table_rows(text, "bound: grads only")][-1][5] == "100%"
+  assert [r for r in table_rows(text, "per-leaf pmean")][-1][6] == "0%"
+  assert [r for r in table_rows(text, "bound: grads only")][-1][6] == "100%"
 
   rows = step_rows(doc)
   t = {key: v["step_s"] for key, v in rows.items()}
@@ -114,7 +114,7 @@ def test_step_benchmark_checkpoint_rows(step_run):
     assert v["max_param_diff_vs_per_leaf"] < 1e-5, key  # saving leaves training alone
     assert rows[plain]["vs_no_saves"] is None and rows[plain]["saves"] == 0
     row = [r for r in table_rows(text, f"jpack {plain}, async save every 10")][-1]
-    assert row[6].endswith("x"), row  # vs no saves
+    assert row[7].endswith("x"), row  # vs no saves
 
 
 @pytest.mark.timeout(600)
@@ -169,6 +169,55 @@ def test_step_benchmark_accumulation_rows(step_run):
   zero2 = table_rows(text, "jpack sharded, acc=4 ZeRO-2")[-1]
   assert any(c.endswith("(RS1 in loop)") for c in zero2)
   assert "vs MultiSteps" in text
+
+
+@pytest.mark.timeout(900)
+def test_step_benchmark_real_models(tmp_path):
+  """The real architectures in their tiny forms: GPT-2 with its optimizers (ZeRO-1
+  refuses lamb: a row, not a crash), and the ResNet-18 whose BatchNorm statistics are
+  model state, carried by the per-leaf step and jpack's modes alike."""
+  text, doc = bench("step", tmp_path / "step.json", "--models", "gpt2_2x16,resnet18_tiny",
+                    "--steps", "1", "--blocks", "2", "--variants",
+                    "per_leaf,hand_pmean,packed,sharded,jit,per_leaf_adamw_mask,"
+                    "packed_adamw_mask,sharded_adamw_mask,sharded_lamb")
+  gpt, resnet = ({r["values"]["key"]: r for r in t["rows"]} for t in doc["tables"])
+  assert {r["values"]["leaves"] for r in gpt.values()} == {28}
+  for key in ("hand_pmean", "packed", "sharded", "jit"):
+    # adam turns float noise on zero-gradient leaves (the key bias) into O(lr) updates
+    assert gpt[key]["values"]["max_param_diff_vs_per_leaf"] < 1e-3, key
+  for key in ("packed_adamw_mask", "sharded_adamw_mask"):  # against the same optimizer
+    v = gpt[key]["values"]
+    assert v["baseline"] == "per_leaf_adamw_mask" and v["max_param_diff_vs_per_leaf"] < 1e-3
+    assert v["speedup_vs_per_leaf"] == pytest.approx(
+        gpt["per_leaf_adamw_mask"]["values"]["step_s"] / v["step_s"])
+  refused = gpt["sharded_lamb"]
+  assert refused["cells"]["step ms"] == "refused" and "step_s" not in refused["values"]
+  assert refused["values"]["refused"].startswith("refused: optax.scale_by_trust_ratio")
+  per_leaf = gpt["per_leaf"]["values"]
+  assert per_leaf["speedup_min"] == per_leaf["speedup_max"] == 1.0
+  assert gpt["packed"]["values"]["speedup_min"] <= gpt["packed"]["values"]["speedup_max"]
+  assert gpt["packed"]["cells"]["spread"].count("–") == 1
+  # The ResNet: model state, so no jit step and no optimizer rows; the rest agree.
+  assert "resnet18_tiny has model state" in text
+  assert set(resnet) == {"per_leaf", "hand_pmean", "packed", "sharded"}
+  for key in ("hand_pmean", "packed", "sharded"):
+    assert resnet[key]["values"]["max_param_diff_vs_per_leaf"] < 1e-5, key
+
+
+def test_real_models_have_the_real_leaf_counts():
+  import jax
+
+  from benchmarks import models, step
+  assert models.gpt2(abstract=True).num_leaves == 148
+  vit = models.vit(abstract=True)
+  assert vit.num_leaves == 152 and round(vit.num_params / 1e6, 1) == 86.6  # ViT-B/16
+  r18 = models.resnet(models.RESNET18_BLOCKS, block="basic", abstract=True)
+  assert r18.num_leaves == 62 and round(r18.num_params / 1e6, 1) == 11.7
+  assert models.resnet(abstract=True).num_leaves == 161  # ResNet-50's table
+  narrow = {n: step.MODELS[n]() for n in step.REAL_MODELS}
+  assert [m.num_leaves for m in narrow.values()] == [148, 152, 62]
+  assert narrow["resnet18_narrow"].has_state
+  assert len(jax.tree.leaves(narrow["resnet18_narrow"].state)) == 40  # 20 BNs' mean, var
 
 
 def test_loop_collectives_counts_what_while_bodies_reach():

@@ -146,51 +146,65 @@ def _speedup(base: Row | None, row: Row) -> str:
 # The step table's columns, as performance.md shows them (the benchmark also prints its
 # own targets, which are not figures for users). "vs no saves" (the checkpoint rows) shows
 # only where the results have it.
-STEP_COLUMNS = ("variant", "step ms", "speed-up", "vs no saves", "compile s", "collectives",
-                "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf")
-# README rows: (step key, label, the jax.jit baseline it is compared with).
+STEP_COLUMNS = ("variant", "step ms", "speed-up", "spread", "vs no saves", "compile s",
+                "collectives", "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf")
+# README rows, in order, those the step run has: (model, step key, the jax.jit baseline it
+# is compared with). The transformer leads; then the MLP of many equal leaves, a CNN of
+# fewer, larger leaves, and a large MLP.
 README_ROWS = (
-    ("packed", 'jpack `mode="packed"`', "jit"),
-    ("sharded", 'jpack `mode="sharded"` (ZeRO-1)', "jit_zero1"),
-    ("allreduce", 'jpack `mode="allreduce"`', "jit"),
-    ("packed_bf16", 'jpack `mode="packed"`, bf16 wire', "jit"),
+    ("gpt2_12x64", "packed", "jit"),
+    ("gpt2_12x64", "sharded", "jit_zero1"),
+    ("mlp_40x256", "packed", "jit"),
+    ("mlp_40x256", "sharded", "jit_zero1"),
+    ("mlp_40x256", "allreduce", "jit"),
+    ("mlp_40x256", "packed_bf16", "jit"),
+    ("resnet18_narrow", "packed", "jit"),
+    ("mlp_24x1024", "sharded", "jit_zero1"),
 )
-# The fifth README row: the first of these models the step run has, with its label.
-README_EXTRA = (
-    ("resnet50", "packed", 'ResNet-50 shapes, `mode="packed"`'),
-    ("mlp_24x1024", "sharded", 'MLP 24x1024 (25 M params), `mode="sharded"`'),
-)
-MAIN_MODEL = "mlp_40x256"
+MODEL_LABELS = {"gpt2_12x64": "GPT-2-like", "mlp_40x256": "MLP 40x256",
+                "resnet18_narrow": "ResNet-18-like", "mlp_24x1024": "MLP 24x1024"}
+MODE_LABELS = {"packed": '`mode="packed"`', "sharded": '`mode="sharded"` (ZeRO-1)',
+               "allreduce": '`mode="allreduce"`', "packed_bf16": '`mode="packed"`, bf16 wire'}
+MAIN_MODEL = "mlp_40x256"  # comparison.md's baselines
 # comparison.md: the baselines next to jpack's modes, in this order.
 BASELINE_KEYS = ("per_leaf", "jit", "jit_zero1", "ravel", "flatten", "hand_zero1",
-                 "optax_chain", "allreduce", "packed", "sharded")
-BASELINE_COLUMNS = ("variant", "step ms", "speed-up", "compile s", "opt state/dev")
+                 "optax_chain", "hand_pmean", "allreduce", "packed", "sharded")
+BASELINE_COLUMNS = ("variant", "step ms", "speed-up", "spread", "compile s", "opt state/dev")
 
 
 def _main_table(tables: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
   return next((t for t in tables if _model(t) == MAIN_MODEL), tables[0])
 
 
+def _spread(base: Row | None, row: Row) -> str:
+  """`` (lo–hi)``: the lowest and highest block-by-block speed-ups, where both rows have
+  their block times from the same rounds; else nothing."""
+  a = base and base["values"].get("block_step_s")
+  b = row["values"].get("block_step_s")
+  if not a or not b or len(a) != len(b) or len(a) < 2:
+    return ""
+  ratios = [x / y for x, y in zip(a, b)]
+  return f" ({min(ratios):.2f}–{max(ratios):.2f})"
+
+
 def _readme_rows(tables: Sequence[Mapping[str, Any]]
                  ) -> list[tuple[str, Row, Row | None, Row | None]]:
   """(label, jpack's row, per-leaf's row, the jax.jit row to compare with) for each
-  README row the step run has: jpack's modes on the main model, then one other model."""
-  main = _main_table(tables)
-  rows = _by_key(main)
-  picked = [(label, rows[key], rows.get("per_leaf"), rows.get(jit))
-            for key, label, jit in README_ROWS if key in rows]
-  for model, key, label in README_EXTRA:
-    other = next((_by_key(t) for t in tables if _model(t) == model and t is not main), {})
-    if key in other:
-      jit = "jit_zero1" if key == "sharded" else "jit"
-      picked.append((label, other[key], other.get("per_leaf"), other.get(jit)))
-      break
+  README row the step run has, in `README_ROWS`' order."""
+  by_model = {_model(t): _by_key(t) for t in tables}
+  picked = []
+  for model, key, jit in README_ROWS:
+    rows = by_model.get(model, {})
+    if key in rows and "step_s" in rows[key]["values"]:
+      label = f"{MODEL_LABELS.get(model, model)}, {MODE_LABELS.get(key, key)}"
+      picked.append((label, rows[key], rows.get("per_leaf"), rows.get(jit)))
   return picked
 
 
 def render_readme(results: Results) -> str:
-  """At most five rows: jpack's modes on the main model against the baselines, and one
-  row from a model of fewer, larger leaves; compile time and state included."""
+  """jpack's modes on the transformer first, then on an MLP of many equal leaves, a CNN
+  and a large MLP (`README_ROWS`), against per-leaf and jax.jit, with the spread over the
+  interleaved rounds; compile time and state included."""
   doc = results.get("step")
   tables = _step_tables(doc) if doc else []
   if not tables:
@@ -203,11 +217,17 @@ def render_readme(results: Results) -> str:
   out = []
   for label, row, base, jit in picked:
     base_compile = base["cells"].get("compile s", "-") if base else "-"
-    out.append([label, _speedup(base, row), *([_speedup(jit, row)] if with_jit else []),
+    vs_base = _speedup(base, row)
+    out.append([label, vs_base + (_spread(base, row) if vs_base != "-" else ""),
+                *([_speedup(jit, row)] if with_jit else []),
                 f"{row['cells'].get('compile s', '-')} ({base_compile})",
                 row["cells"].get("opt state/dev", "-")])
+  models = {row["values"].get("model") for _, row, *_ in picked}
+  # "GPT-2 decoder 12x64 (148 leaves, 0.67 M params), adam, 8 devices": up to ")".
+  shown = [t["title"].rsplit("), ", 1)[0] + ")" for t in tables if _model(t) in models]
   note = ("Speed-up: the baseline's step time over jpack's, in the same run (above 1x, jpack "
-          f"is faster). Main model: {_main_table(tables)['title']}.")
+          "is faster); in brackets, the lowest and the highest over the interleaved rounds. "
+          f"Models: {'; '.join(shown) or _main_table(tables)['title']}.")
   if with_jit:
     note += (" ZeRO-1 is compared with `jax.jit` sharding the optimizer state by "
              "`NamedSharding`.")

@@ -27,7 +27,8 @@ table) and 8-way data parallelism:
 
 "removed" is the share of per-leaf's kernels (and HBM bytes) above the floor that a
 variant does not have: 100 % is the floor itself, 0 % is per-leaf, below 0 is worse.
-Not given for accumulate=4, which runs the forward and backward passes four times.
+Not given for accumulate=4 (four forward and backward passes) or bf16 params (half the
+bytes).
 
   python -m benchmarks gpu_compile                         # every workload, every variant
   python -m benchmarks gpu_compile --workloads gpt2_small --variants per_leaf,packed
@@ -89,7 +90,9 @@ JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
          "sharded_bf16_params": dict(mode="sharded", param_dtype=jnp.bfloat16),
          "packed_acc4": dict(mode="packed", accumulate=4),
          "sharded_acc4": dict(mode="sharded", accumulate=4)}
-ACCUMULATING = ("packed_acc4", "sharded_acc4")
+# Shares of per-leaf's overhead compare steps of the same params and rows only: not
+# accumulation (four passes) or bf16 params (half the bytes).
+ACCUMULATING = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16_params")
 # Collectives this small are the loss's and the norm's scalars, not a bucket's.
 BUCKET_MIN_BYTES = 1024
 # The goals jpack's default and ZeRO-1 modes are held to on every workload.

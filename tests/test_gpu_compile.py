@@ -171,3 +171,19 @@ def test_your_own_model_in_one_command(tmp_path, monkeypatch, capsys):
   assert [r["key"] for r in rows] == ["floor", "per_leaf", "packed"]
   assert rows[2]["kernels"] < rows[1]["kernels"]
   assert "gpu_model:model" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", models.FULL_SIZE)
+def test_full_size_models_have_exactly_the_workload_tables_leaves(name):
+  # The compiled table's models are real models with the shape tables' leaves: same key
+  # paths, shapes and dtypes, and a loss that traces on a batch (shapes only).
+  from benchmarks import _common as c
+
+  model = models.full_size(name)
+  want = {leaf["path"]: (tuple(leaf["shape"]), leaf["dtype"])
+          for leaf in c.load_workload_doc(name)["leaves"]}
+  got = {"/".join(str(k.key) for k in path): (tuple(x.shape), str(x.dtype))
+         for path, x in jax.tree_util.tree_leaves_with_path(model.params)}
+  assert got == want
+  loss = jax.eval_shape(model.loss, model.params, model.batch_like(2))
+  assert loss.shape == () and loss.dtype == jnp.float32

@@ -43,7 +43,7 @@ Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
 
 def load_results(results_dir: pathlib.Path = RESULTS_DIR,
                  names: Iterable[str] = ("step", "collectives", "pack", "optimizer",
-                                         "checkpoint", "gpu_compile")
+                                         "checkpoint", "gpu_compile", "startup")
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
   found = {}
@@ -201,6 +201,18 @@ def _readme_rows(tables: Sequence[Mapping[str, Any]]
   return picked
 
 
+def _startup(results: Results) -> dict[tuple[str, str], str]:
+  """``{(model, mode): "first (again)"}`` from the startup benchmark: building the step
+  and ``init``, the first time (the optimizer check probes) and again (cached)."""
+  doc = results.get("startup")
+  out = {}
+  for table in _tables(doc, "model", "mode", "first s", "again s") if doc else []:
+    for r in table["rows"]:
+      c = r["cells"]
+      out[(c["model"], c["mode"])] = f"{c['first s']} ({c['again s']})"
+  return out
+
+
 def render_readme(results: Results) -> str:
   """jpack's modes on the transformer first, then on an MLP of many equal leaves, a CNN
   and a large MLP (`README_ROWS`), against per-leaf and jax.jit, with the spread over the
@@ -213,7 +225,9 @@ def render_readme(results: Results) -> str:
   with_jit = any(jit is not None for *_, jit in picked)
   columns = ["step (Adam)", "speed-up vs per-leaf `shard_map`"]
   columns += ["speed-up vs `jax.jit` + `NamedSharding`"] if with_jit else []
-  columns += ["compile s: jpack (per-leaf)", "optimizer state per device"]
+  columns += ["compile s: jpack (per-leaf)", "build + init s: first (again)",
+              "optimizer state per device"]
+  startup = _startup(results)
   out = []
   for label, row, base, jit in picked:
     base_compile = base["cells"].get("compile s", "-") if base else "-"
@@ -221,12 +235,16 @@ def render_readme(results: Results) -> str:
     out.append([label, vs_base + (_spread(base, row) if vs_base != "-" else ""),
                 *([_speedup(jit, row)] if with_jit else []),
                 f"{row['cells'].get('compile s', '-')} ({base_compile})",
+                startup.get((row["values"].get("model"), row["values"].get("key")), "-"),
                 row["cells"].get("opt state/dev", "-")])
   models = {row["values"].get("model") for _, row, *_ in picked}
   # "GPT-2 decoder 12x64 (148 leaves, 0.67 M params), adam, 8 devices": up to ")".
   shown = [t["title"].rsplit("), ", 1)[0] + ")" for t in tables if _model(t) in models]
   note = ("Speed-up: the baseline's step time over jpack's, in the same run (above 1x, jpack "
           "is faster); in brackets, the lowest and the highest over the interleaved rounds. "
+          "Build + init: `jpack.data_parallel` and `init` before the first step, from "
+          "`python -m benchmarks startup` (the first build of a model probes the "
+          "optimizer; again, the verdict is cached). "
           f"Models: {'; '.join(shown) or _main_table(tables)['title']}.")
   if with_jit:
     note += (" ZeRO-1 is compared with `jax.jit` sharding the optimizer state by "

@@ -277,7 +277,7 @@ for _n_leaves in NS:
 import json as _json
 _file = pathlib.Path.cwd().parent / "benchmarks" / "results" / "step.json"
 _doc = _json.loads(_file.read_text())
-_rows = _doc["tables"][0]["rows"]
+_rows = [r for r in _doc["tables"][0]["rows"] if "step_s" in r["values"]]
 assert names == [r["cells"]["variant"] for r in _rows]
 assert _np.allclose(step_ms, [1e3 * r["values"]["step_s"] for r in _rows])
 """],

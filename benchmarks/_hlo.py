@@ -277,6 +277,9 @@ def analyze_program(hlo_text: str) -> Program:
   collectives: list[CollectiveOp] = []
   per_kernel: list[tuple[str, str, int]] = []
 
+  def is_kernel(i: _Instr) -> bool:
+    return i.op not in _NOT_KERNELS and not i.op.endswith("-done")
+
   def walk(comp: str, trips: int) -> None:
     nonlocal kernels, hbm, copies, copy_bytes
     instrs = comps.get(comp, [])
@@ -287,15 +290,17 @@ def analyze_program(hlo_text: str) -> Program:
         for body in i.calls:
           walk(body, trips * (int(m.group(1)) if m else 1))
         continue
-      if i.op in _NOT_KERNELS or i.op.endswith("-done"):
+      if not is_kernel(i):
         continue
       kernels += trips
       out = _type_bytes(i.type)
+      between: list[_Instr] = []  # what is scheduled between an async start and its done
       if i.op.endswith("-start") or i.op == "async-start":
         # An async start's type holds its operands and results: its done has the results.
-        done = next((d for d in instrs[pos + 1:] if i.name in d.operands and
-                     d.op.endswith("-done")), None)
-        out = _type_bytes(done.type if done is not None else i.type)
+        end = next((k for k in range(pos + 1, len(instrs)) if i.name in instrs[k].operands
+                    and instrs[k].op.endswith("-done")), None)
+        out = _type_bytes(instrs[end].type if end is not None else i.type)
+        between = instrs[pos + 1:end]
       moved = trips * (out + operand_bytes(i, types))
       hbm += moved
       m = re.search(r'op_name="([^"]*)"', i.line)
@@ -309,13 +314,7 @@ def analyze_program(hlo_text: str) -> Program:
         continue
       dtype = next(iter(_dtypes(types.get(i.operands[0], "") if i.operands else i.type)),
                    "?")
-      overlapped = False
-      if i.op.endswith("-start") or i.op == "async-start":
-        for later in instrs[pos + 1:]:
-          if i.name in later.operands and later.op.endswith("-done"):
-            break
-          if later.op not in _NOT_KERNELS and collective_of(later) is None:
-            overlapped = True
+      overlapped = any(is_kernel(k) and collective_of(k) is None for k in between)
       collectives.append(CollectiveOp(base, dtype, out * trips, overlapped))
 
   walk(entry, 1)

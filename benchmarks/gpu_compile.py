@@ -47,6 +47,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -299,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                            "(params, loss_fn, one device's batch)")
   parser.add_argument("--quick", action="store_true",
                       help="gpt2_small only, the floor, per-leaf and the three modes")
+  parser.add_argument("--update", action="store_true",
+                      help="keep the other workloads' tables in the --json file, replacing "
+                           "only those compiled now (a slow workload can run on its own)")
   c.add_output_args(parser, "gpu_compile")
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   workloads = ["gpt2_small"] if args.quick else args.workloads.split(",")
@@ -315,10 +319,29 @@ def main(argv: list[str] | None = None) -> int:
   if args.model:
     run_workload(args.model, variants, report, user_model(args.model))
     report.write(args)
+  earlier = json.loads(pathlib.Path(args.json).read_text()) if (
+      args.update and args.json and pathlib.Path(args.json).is_file()) else None
   for name in [] if args.model else workloads:
     run_workload(name, variants, report)
     report.write(args)  # after every workload: a long run keeps what it has
+    if earlier:
+      pathlib.Path(args.json).write_text(json.dumps(merged(earlier, report.json()), indent=1)
+                                         + "\n")
   return 0
+
+
+def merged(earlier: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+  """``now``'s JSON with the tables of the workloads it did not compile taken from
+  ``earlier`` (in the workloads' order), and both runs' commands."""
+  def workload(table):
+    return table["rows"][0]["values"].get("workload") if table["rows"] else None
+
+  done = {workload(t) for t in now["tables"]}
+  tables = [t for t in earlier["tables"] if workload(t) not in done] + now["tables"]
+  order = {name: i for i, name in enumerate(models.FULL_SIZE)}
+  tables.sort(key=lambda t: order.get(workload(t), len(order)))  # stable: goals follow
+  commands = earlier.get("commands", [earlier["command"]])
+  return {**now, "tables": tables, "commands": [*commands, now["command"]]}
 
 
 if __name__ == "__main__":

@@ -393,8 +393,15 @@ def render_gpu_compile(results: Results) -> str:
   versions = ", ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "optax", "python") if k in m)
   parts.append(f"Compiled for 8 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
                f"{m.get('cpu', 'unknown CPU')} ({m.get('cores', '?')} cores); {versions}. "
-               f"Command: `{doc.get('command', '?')}`.")
+               f"{_commands(doc)}.")
   return "\n\n".join(parts)
+
+
+def _commands(doc: Mapping[str, Any]) -> str:
+  """"Command: `...`", or "Commands: `...`, `...`" for results merged from runs."""
+  commands = doc.get("commands", [doc.get("command", "?")])
+  return (f"Command{'s' if len(commands) > 1 else ''}: "
+          + ", ".join(f"`{x}`" for x in commands))
 
 
 RENDERERS: dict[str, Callable[[Results], str]] = {

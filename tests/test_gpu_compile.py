@@ -187,3 +187,23 @@ def test_full_size_models_have_exactly_the_workload_tables_leaves(name):
   assert got == want
   loss = jax.eval_shape(model.loss, model.params, model.batch_like(2))
   assert loss.shape == () and loss.dtype == jnp.float32
+
+
+def test_update_replaces_only_the_workloads_compiled_again():
+  # --update: a slow workload compiled on its own joins the others' results in
+  # benchmarks/results/gpu_compile.json, in the workloads' order, with both commands.
+  def doc(command, *names):
+    tables = [{"title": f"{n} {kind}", "columns": [], "rows": [{"cells": {},
+                                                               "values": {"workload": n}}]}
+              for n in names for kind in ("table", "goals")]
+    return {"command": command, "tables": tables}
+
+  earlier = doc("all", "gpt2_small", "bert_base", "many_small_4000")
+  now = doc("one", "many_small_4000", "resnet50")
+  got = gpu_compile.merged(earlier, now)
+  assert [t["title"] for t in got["tables"]] == [
+      f"{n} {kind}" for n in ("gpt2_small", "bert_base", "resnet50", "many_small_4000")
+      for kind in ("table", "goals")]
+  assert got["tables"][-1] is now["tables"][1]  # the new run's table, not the earlier one
+  assert got["commands"] == ["all", "one"]
+  assert gpu_compile.merged(got, doc("two"))["commands"] == ["all", "one", "two"]

@@ -19,6 +19,7 @@ table) and 8-way data parallelism:
 
   floor         loss + gradients + an SGD update, no reduction: what every step contains
   per_leaf      a shard_map step with one ``lax.pmean`` per gradient leaf
+  hand_pmean    the same step with ``jpack.pmean(grads)``: what the README writes first
   jit           plain ``jax.jit`` with the batch split by ``NamedSharding``
   jit_zero1     the same with adamw's state split over the devices by its shardings
   allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
@@ -32,6 +33,7 @@ bytes).
 
   python -m benchmarks gpu_compile                         # every workload, every variant
   python -m benchmarks gpu_compile --workloads gpt2_small --variants per_leaf,packed
+  python -m benchmarks gpu_compile --workloads many_small_4000 --update   # added to the JSON
 
 Needs the CUDA plugin (``pip install "jax[cuda12-local]==$(python -c 'import jax;
 print(jax.__version__)')"``, about 180 MB, no NVIDIA libraries) and sets
@@ -75,6 +77,7 @@ ROWS_PER_DEVICE = 4  # sequences of 128 tokens, or 224x224 images, per GPU
 VARIANTS = {
     "floor": "floor: grads + SGD, no reduction",
     "per_leaf": "per-leaf pmean",
+    "hand_pmean": "hand-written jpack.pmean step",
     "jit": "jit + NamedSharding",
     "jit_zero1": "jit, ZeRO-1 by sharding",
     "allreduce": "jpack allreduce",
@@ -140,6 +143,9 @@ def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
     s = _floor(model, mesh)
   elif key == "per_leaf":
     s = step_bench._plain_step(model, mesh, optax.stateless(step_bench._per_leaf_pmean), tx)
+  elif key == "hand_pmean":  # the README's first step: per-leaf's, with jpack.pmean
+    s = step_bench._plain_step(
+        model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS)), tx)
   elif key in ("jit", "jit_zero1"):
     # Auto axes: XLA chooses the shardings inside the step, as a plain jit user gets
     # (under Explicit axes an embedding lookup would need its out_sharding spelled out).
@@ -301,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--quick", action="store_true",
                       help="gpt2_small only, the floor, per-leaf and the three modes")
   parser.add_argument("--update", action="store_true",
-                      help="keep the other workloads' tables in the --json file, replacing "
-                           "only those compiled now (a slow workload can run on its own)")
+                      help="keep the results of the --json file that this run does not "
+                           "compile again (other workloads, other variants)")
   c.add_output_args(parser, "gpu_compile")
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   workloads = ["gpt2_small"] if args.quick else args.workloads.split(",")
@@ -331,15 +337,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def merged(earlier: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-  """``now``'s JSON with the tables of the workloads it did not compile taken from
-  ``earlier`` (in the workloads' order), and both runs' commands."""
+  """``now``'s JSON with ``earlier``'s results kept where ``now`` has none: the tables of
+  the workloads it did not compile, and in those it did, the rows of the variants it did
+  not compile (in the order of `VARIANTS`). Both runs' commands are listed."""
   def workload(table):
     return table["rows"][0]["values"].get("workload") if table["rows"] else None
 
-  done = {workload(t) for t in now["tables"]}
-  tables = [t for t in earlier["tables"] if workload(t) not in done] + now["tables"]
-  order = {name: i for i, name in enumerate(models.FULL_SIZE)}
-  tables.sort(key=lambda t: order.get(workload(t), len(order)))  # stable: goals follow
+  def row_key(row):
+    v = row["values"]
+    return v.get("key"), v.get("goal")
+
+  order = {name: i for i, name in enumerate(VARIANTS)}
+  fresh = {(workload(t), tuple(t["columns"])): t for t in now["tables"]}
+  tables = []
+  for old in earlier["tables"]:
+    new = fresh.pop((workload(old), tuple(old["columns"])), None)
+    if new is not None:
+      rows = {row_key(r): r for r in old["rows"]} | {row_key(r): r for r in new["rows"]}
+      new = {**new, "rows": sorted(rows.values(),
+                                   key=lambda r: order.get(row_key(r)[0], len(order)))}
+    tables.append(new or old)
+  tables += fresh.values()
+  by_workload = {name: i for i, name in enumerate(models.FULL_SIZE)}
+  tables.sort(key=lambda t: by_workload.get(workload(t), len(by_workload)))  # stable
   commands = earlier.get("commands", [earlier["command"]])
   return {**now, "tables": tables, "commands": [*commands, now["command"]]}
 

@@ -354,6 +354,23 @@ def render_checkpoint(results: Results) -> str:
                        machine_line(doc)])
 
 
+def render_startup(results: Results) -> str:
+  """Building a data_parallel step and its init, the first time (the optimizer probed)
+  and again (its verdict cached), per model and mode."""
+  doc = results.get("startup")
+  tables = _tables(doc, "model", "leaves", "mode", "first s") if doc else []
+  if not tables:
+    return _missing("startup")
+  table = tables[0]
+  note = ("first: the model's first build, with a new optimizer object: the optimizer is "
+          "probed, and the probe compiles the small operations the earlier builds in the "
+          "process have not; again: the same optimizer object, its verdict cached (median "
+          "over rounds). Before the first row, a 4-leaf MLP is built in every mode: ")
+  start = [n for n in doc.get("notes", []) if n.startswith("JAX's own start")]
+  return "\n\n".join([f"**{table['title']}**", _select(table, table["columns"]),
+                       note + (start[0] if start else "not counted."), machine_line(doc)])
+
+
 GPU_COLUMNS = ("variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
                "overlapped", "temp MiB", "args MiB", "removed: kernels / HBM",
                "lower + compile s")
@@ -413,6 +430,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "optimizer": render_optimizer,
     "checkpoint": render_checkpoint,
     "gpu_compile": render_gpu_compile,
+    "startup": render_startup,
 }
 
 

@@ -667,7 +667,7 @@ def test_trees_of_many_leaves_in_several_buckets_equal_per_leaf_references(
   # from one joined array per dtype (the default for small leaves) or one by one.
   if not join:
     monkeypatch.setattr(jpack._cpu, "JOIN_MAX_BYTES_PER_LEAF", 0)
-  tree = _many_leaves(np.random.default_rng(21), n_small=160)
+  tree = _many_leaves(np.random.default_rng(21), n_small=64)
   floats = {k: v for k, v in tree.items() if not jnp.issubdtype(v.dtype, jnp.integer)}
   idx = lambda: jax.lax.axis_index("batch")
   opts = dict(bucket_bytes=256, align_bytes=16)

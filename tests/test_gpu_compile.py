@@ -189,21 +189,24 @@ def test_full_size_models_have_exactly_the_workload_tables_leaves(name):
   assert loss.shape == () and loss.dtype == jnp.float32
 
 
-def test_update_replaces_only_the_workloads_compiled_again():
-  # --update: a slow workload compiled on its own joins the others' results in
-  # benchmarks/results/gpu_compile.json, in the workloads' order, with both commands.
-  def doc(command, *names):
-    tables = [{"title": f"{n} {kind}", "columns": [], "rows": [{"cells": {},
-                                                               "values": {"workload": n}}]}
-              for n in names for kind in ("table", "goals")]
-    return {"command": command, "tables": tables}
+def test_update_keeps_what_is_not_compiled_again():
+  # --update: a slow workload, or one variant, compiled on its own joins the earlier
+  # results in benchmarks/results/gpu_compile.json: tables in the workloads' order, rows
+  # in the variants' order, both commands listed.
+  def doc(command, workloads, keys):
+    def table(n, kind):
+      return {"title": f"{n} {command}", "columns": [kind], "rows": [
+          {"cells": {}, "values": {"workload": n, "key": k, "run": command}} for k in keys]}
+    return {"command": command,
+            "tables": [table(n, kind) for n in workloads for kind in ("variants", "goals")]}
 
-  earlier = doc("all", "gpt2_small", "bert_base", "many_small_4000")
-  now = doc("one", "many_small_4000", "resnet50")
+  earlier = doc("all", ["gpt2_small", "bert_base", "many_small_4000"], ["floor", "packed"])
+  now = doc("one", ["many_small_4000", "resnet50"], ["hand_pmean", "floor"])
   got = gpu_compile.merged(earlier, now)
   assert [t["title"] for t in got["tables"]] == [
-      f"{n} {kind}" for n in ("gpt2_small", "bert_base", "resnet50", "many_small_4000")
-      for kind in ("table", "goals")]
-  assert got["tables"][-1] is now["tables"][1]  # the new run's table, not the earlier one
+      "gpt2_small all", "gpt2_small all", "bert_base all", "bert_base all",
+      "resnet50 one", "resnet50 one", "many_small_4000 one", "many_small_4000 one"]
+  rows = [(r["values"]["key"], r["values"]["run"]) for r in got["tables"][-1]["rows"]]
+  assert rows == [("floor", "one"), ("hand_pmean", "one"), ("packed", "all")]
   assert got["commands"] == ["all", "one"]
-  assert gpu_compile.merged(got, doc("two"))["commands"] == ["all", "one", "two"]
+  assert gpu_compile.merged(got, doc("two", [], []))["commands"] == ["all", "one", "two"]

@@ -10,6 +10,10 @@
 #   GPU_CHECK_STEPS="optimizer summary" bash benchmarks/gpu_check.sh    # some steps only
 #   GPU_CHECK_QUICK=1 bash benchmarks/gpu_check.sh     # tiny sizes: a smoke run on a CPU
 #
+# It writes 13 files. Where only a few files come back from the machine, archive them:
+#
+#   O=$OUT; OUT=/tmp/gc bash benchmarks/gpu_check.sh; tar czf "$O/gpu_check.tgz" -C /tmp/gc .
+#
 # Steps, most informative first (a step that would start too late is skipped): env,
 # smoke, optimizer, step, pack, tests, summary. Each has its own time limit, all of them
 # together GPU_CHECK_BUDGET_S (default 285 s). A failed step is reported and the others

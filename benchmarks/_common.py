@@ -436,12 +436,13 @@ class Report:
             "tables": [p.json() for p in self.parts if isinstance(p, Table)],
             "notes": [p for p in self.parts if not isinstance(p, Table)]}
 
-  def write_json(self, path: str | None) -> None:
+  def write_json(self, path: str | None, doc: dict[str, Any] | None = None) -> None:
+    """Write ``doc`` (by default this report's `json`) to ``path``, if given."""
     if not path:
       return
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-      json.dump(_finite(self.json()), f, indent=1)
+      json.dump(_finite(self.json() if doc is None else doc), f, indent=1)
       f.write("\n")
     print(f"\nWrote {path}", flush=True)
 

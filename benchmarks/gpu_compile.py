@@ -329,10 +329,9 @@ def main(argv: list[str] | None = None) -> int:
       args.update and args.json and pathlib.Path(args.json).is_file()) else None
   for name in [] if args.model else workloads:
     run_workload(name, variants, report)
-    report.write(args)  # after every workload: a long run keeps what it has
-    if earlier:
-      pathlib.Path(args.json).write_text(json.dumps(merged(earlier, report.json()), indent=1)
-                                         + "\n")
+    # After every workload: a long run keeps what it has.
+    report.write_markdown(args.markdown)
+    report.write_json(args.json, None if earlier is None else merged(earlier, report.json()))
   return 0
 
 

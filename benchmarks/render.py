@@ -124,7 +124,7 @@ def machine_line(doc: Mapping[str, Any]) -> str:
   else:
     devices = f"{n} x {m.get('device_kind', platform)} ({platform}), host {host}"
   versions = ", ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "optax", "python") if k in m)
-  return f"Measured on {devices}; {versions}. Command: `{doc.get('command', '?')}`."
+  return f"Measured on {devices}; {versions}. {_commands(doc)}."
 
 
 def _missing(bench: str) -> str:

@@ -29,6 +29,7 @@ import optax
 
 from jpack._internal import leaf_from_flat
 from jpack._layout import Layout, retyped
+from jpack._owned import OwnedState
 from jpack._pack import Packed, pack
 from jpack._sharded import ShardedState
 from jpack._transforms import AllReduceState, FlatState
@@ -210,13 +211,17 @@ def _gather_node(state: FlatState | ShardedState, host: Callable[[Any], np.ndarr
   def convert(x):
     if _is_masked(x):
       return x
+    if isinstance(x, OwnedState):  # no tree form: see `_scatter_inner`
+      found.append(x)
+      return OwnedState(tuple(_host_leaf(b, host) for b in x.buffers), x.dtypes)
     if not is_buckets(x):
       return _host_leaf(x, host)
     found.append(x)
     return _buckets_to_tree(x, layout, host)
 
   out = jax.tree.map(convert, state.inner_state,
-                     is_leaf=lambda x: is_buckets(x) or _is_masked(x))
+                     is_leaf=lambda x: isinstance(x, OwnedState) or is_buckets(x)
+                     or _is_masked(x))
   # No buckets: either the inner optimizer runs on the leaves (flat keeps muon's state
   # on the params tree, already the tree form) or this is a jax.pmap state.
   leading = set() if found or not sizes else _rows_per_device(state.inner_state, layout)
@@ -326,14 +331,19 @@ def _scatter_inner(tree_state: Any, like_inner: Any, layout: Layout,
   # tree: found by position, since shapes alone cannot tell a scalar param's moment
   # from a step count.
   is_buckets = functools.partial(_is_bucket_tuple, sizes=sizes)
-  like_nodes, prefix = jax.tree_util.tree_flatten_with_path(like_inner, is_leaf=is_buckets)
+  like_nodes, prefix = jax.tree_util.tree_flatten_with_path(
+      like_inner, is_leaf=lambda x: isinstance(x, OwnedState) or is_buckets(x))
   try:
     saved = prefix.flatten_up_to(tree_state)
   except (ValueError, TypeError):
     converted = tree_state  # a structure mismatch: named below
   else:
+    for (path, node), x in zip(like_nodes, saved):
+      if isinstance(node, OwnedState):
+        _check_owned(root + path, x, node)
     converted = prefix.unflatten(
-        _saved_to_buckets(root + path, x, layout) if is_buckets(node) else x
+        _saved_to_buckets(root + path, x, layout)
+        if is_buckets(node) and not isinstance(node, OwnedState) else x
         for (path, node), x in zip(like_nodes, saved))
   if jax.tree.structure(converted) != jax.tree.structure(like_inner):
     raise _structure_error(converted, like_inner, root)
@@ -341,6 +351,19 @@ def _scatter_inner(tree_state: Any, like_inner: Any, layout: Layout,
                                jax.tree.leaves(like_inner)):
     _check_leaf(root + path, got, want)
   return converted
+
+
+def _check_owned(path: tuple[Any, ...], got: Any, want: OwnedState) -> None:
+  """Each device's state of the leaves it owns is kept flattened, in buffers whose
+  layout depends on the device count and the params' layout: it restores as saved."""
+  shapes = lambda s: [(tuple(np.shape(b)), str(jnp.result_type(b))) for b in s.buffers]  # noqa: E731
+  if not isinstance(got, OwnedState) or shapes(got) != shapes(want):
+    raise ValueError(
+        f"The saved optimizer state at {jax.tree_util.keystr(path)} does not fit the new "
+        "run's: on ZeRO-1, the state of a transformation that needs whole leaves (lamb's "
+        "trust ratio, adafactor, muon) is kept per device, flattened by the device count "
+        "and the params' layout, and restores only onto the same ones. Restore on the same "
+        "number of devices with the same params, or save from mode='packed'.")
 
 
 def _check_leaf(path: tuple[Any, ...], got: Any, want: Any) -> None:

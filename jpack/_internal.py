@@ -102,3 +102,14 @@ def sum_of_squares(xs: Any) -> jax.Array:
     return jnp.sum(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
 
   return sum((one(x) for x in xs), jnp.float32(0))
+
+
+def empty_shape(shape: tuple[int, ...], unit: bool = False) -> tuple[int, ...]:
+  """The shape of a leaf another device owns (see `jpack._owned`): its rank with every dim
+  0, so that what optax decides by rank (muon's 2-D weights, masks by ``ndim``) holds the
+  same; a scalar becomes ``(0,)``. With ``unit``, every dim 1 (a scalar stays a scalar):
+  for transformations that divide by a dim or reduce with ``max`` (muon, sm3), at the
+  cost of running on a one-element stand-in."""
+  if unit:
+    return (1,) * len(shape)
+  return (0,) * max(len(shape), 1)

@@ -153,7 +153,8 @@ def chain_parts(tx: Any) -> tuple[optax.GradientTransformationExtraArgs, ...] | 
   return tuple(optax.GradientTransformationExtraArgs(i, u) for i, u in zip(inits, updates))
 
 
-def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | None]
+def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | None],
+           leaves: Callable[[Any, Layout], optax.GradientTransformationExtraArgs] | None = None
            ) -> tuple[optax.GradientTransformationExtraArgs, tuple[str, ...], bool]:
   """``inner`` as one transformation over the tuple of buckets, with the parts that
   buckets would change running on the leaves.
@@ -163,6 +164,9 @@ def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | Non
     layout: the buckets' layout (its bucket labels select a dict's transformations).
     needs_leaves: ``needs_leaves(tx)`` is None when ``tx`` computes the same on buckets
       as on the leaves, else the name of the transformation that differs (the probe).
+    leaves: ``leaves(tx, layout)`` runs ``tx`` on the leaves, taking and returning
+      tuples of buckets; default `on_leaves` (the whole params tree). ZeRO-1 passes
+      `jpack._owned.on_owned` (each device's own leaves, from its shards).
 
   Returns:
     ``(tx, on_leaves, whole)``: ``tx`` takes and returns tuples of buckets, and its
@@ -174,26 +178,27 @@ def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | Non
   culprit = needs_leaves(inner)
   if culprit is None:
     return labelled(inner, layout), (), False
+  run = leaves or on_leaves
   if isinstance(inner, Mapping):  # each leaf's transformation, by the labels
-    return on_leaves(multi_transform(dict(inner), leaf_labels(inner, layout)), layout), (
+    return run(multi_transform(dict(inner), leaf_labels(inner, layout)), layout), (
         culprit,), True
   parts = chain_parts(inner)
   if parts is None:
-    return on_leaves(inner, layout), (culprit,), True
+    return run(inner, layout), (culprit,), True
   steps, names = [], []
   for part in parts:
     found = needs_leaves(part)
     if found is not None and chain_parts(part) is None:
-      # Whole on the leaves: it takes the tree itself, so consecutive such parts pass
-      # it on without packing in between.
-      steps.append((part, True))
+      # Whole on the leaves: on the params tree it takes the tree itself, so
+      # consecutive such parts pass it on without packing in between.
+      steps.append((part, True) if leaves is None else (leaves(part, layout), False))
       names.append(found)
     else:
-      tx, inside, _ = placed(part, layout, needs_leaves)
+      tx, inside, _ = placed(part, layout, needs_leaves, leaves)
       steps.append((tx, False))
       names += inside
   if not names:  # each part passes, the whole does not: no split to trust
-    return on_leaves(inner, layout), (culprit,), True
+    return run(inner, layout), (culprit,), True
   return in_turn(steps, layout), tuple(names), False
 
 

@@ -609,3 +609,70 @@ def retyped(layout: Layout, dtypes: list[np.dtype]) -> Layout:
   slots = tuple(slot._replace(dtype=dtypes[slot.bucket]) for slot in layout.slots)
   buckets = tuple(dataclasses.replace(b, dtype=d) for b, d in zip(layout.buckets, dtypes))
   return dataclasses.replace(layout, slots=slots, buckets=buckets)
+
+
+def whole_leaf_shards(layout: Layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      max_leaves: int | None = DEFAULT_MAX_LEAVES) -> Layout:
+  """``layout`` re-planned so that each of its ``num_shards`` shards holds whole leaves.
+
+  ZeRO-1 gives device k shard k of every bucket; an optimizer that needs whole leaves
+  (lamb, adafactor, muon) then owns the leaves in its shard. Per group, in ``layout``'s
+  bucket order (backward-ready), leaves join a bucket until it would hold more than
+  ``num_shards`` times the per-device size: ``bucket_bytes``, or the largest leaf in it
+  (a big embedding takes a shard of its own, and the other shards of its bucket fill with
+  other leaves rather than padding). Within a bucket the leaves go, largest first, to the
+  shard holding the fewest elements; every shard is padded to the fullest one. The
+  padding is what a bucket reduce-scatters and all-gathers beyond its leaves.
+
+  Returns:
+    A `Layout` with the same leaves, groups and ``num_shards``, where no leaf crosses a
+    shard boundary (`shard_of` gives each leaf's owner).
+  """
+  n = layout.num_shards
+  groups: dict[Any, list[int]] = {}
+  for bucket in layout.buckets:
+    groups.setdefault(bucket.group, []).extend(bucket.slots)
+  storage = {b.group: b.dtype for b in layout.buckets}
+  slots = list(layout.slots)
+  buckets: list[Bucket] = []
+  for group, members in groups.items():
+    dtype = storage[group]
+    align = _align_elements(layout.align_bytes, dtype.itemsize)
+    per_device = max(1, bucket_bytes // dtype.itemsize)
+    aligned = {j: -(-layout.slots[j].size // align) * align for j in members}
+    chunks: list[list[int]] = [[]]
+    total = biggest = 0
+    for j in members:
+      size = aligned[j]
+      full = max(per_device, biggest, size) * n
+      if chunks[-1] and ((size and total + size > full) or (
+          max_leaves is not None and len(chunks[-1]) >= max_leaves * n)):
+        chunks.append([])
+        total = biggest = 0
+      chunks[-1].append(j)
+      total, biggest = total + size, max(biggest, size)
+    for chunk in chunks:
+      loads, owned = [0] * n, [[] for _ in range(n)]
+      for j in sorted(chunk, key=lambda j: -aligned[j]):  # stable: ties keep their order
+        k = loads.index(min(loads))
+        owned[k].append(j)
+        loads[k] += aligned[j]
+      width = max(max(loads), align)
+      index = len(buckets)
+      order = []
+      for k in range(n):
+        offset = k * width
+        for j in owned[k]:
+          slots[j] = slots[j]._replace(bucket=index, offset=offset)
+          offset += aligned[j]
+          order.append(j)
+      buckets.append(Bucket(dtype, width * n, tuple(order), group))
+  return dataclasses.replace(layout, slots=tuple(slots), buckets=tuple(buckets))
+
+
+def shard_of(layout: Layout, slot: Slot) -> int | None:
+  """The shard that holds all of ``slot``'s leaf, or None if it crosses a boundary (a
+  zero-size leaf: the shard its offset falls in)."""
+  width = layout.buckets[slot.bucket].size // layout.num_shards
+  first = slot.offset // width
+  return first if slot.size == 0 or (slot.offset + slot.size - 1) // width == first else None

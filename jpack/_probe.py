@@ -91,7 +91,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jpack._internal import is_key_dtype
+from jpack._internal import empty_shape, is_key_dtype
 from jpack._labels import labelled, multi_transform, with_extra_args
 from jpack._layout import Layout, plan
 
@@ -103,10 +103,12 @@ _DEVICES = 2  # simulated devices for slices
 _VALUES = (1.7, 1.3, 1.5)  # value= (a loss) of each update, where it is needed
 _BOOST = 1024.0  # the second update's gradients
 _RTOL = 1e-9  # of a leaf's largest magnitude, in float64: rounding, even amplified
-_ON = ("buckets", "slices", "tree")
+_ON = ("buckets", "slices", "owned", "owned_unit", "tree")
 _ALLREDUCE = "jpack.optax.allreduce followed by the optimizer on the params tree"
 _TARGETS = {"buckets": "buckets (1-D arrays that mix many leaves)",
             "slices": "each device's slice of the buckets",
+            "owned": "each device's own whole leaves (the others left empty)",
+            "owned_unit": "each device's own whole leaves (the others of one element)",
             "tree": "the params tree"}
 _MAX_VERDICTS = 64  # verdicts kept for the process, the least recently used dropped
 _ANY_AXIS = object()  # in a verdict's key: it holds for every axis name
@@ -152,43 +154,49 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
       the layout's bucket labels (as `jpack.optax.flat` does).
     on: where jpack runs it: ``"buckets"`` (whole buckets, every device holds the whole
       gradient; what buckets would change runs on the leaves instead), ``"slices"``
-      (each device's slice, over ``axis_name``), or ``"tree"`` (on the params tree,
-      where only collectives over the axis are checked).
+      (each device's slice, over ``axis_name``; what slices would change runs on the
+      devices' own leaves instead), ``"owned"`` (each device's own whole leaves, as
+      `jpack._owned.on_owned` runs it; ``"owned_unit"``: with one-element stand-ins
+      for the other leaves), or ``"tree"`` (on the params tree, where only
+      collectives over the axis are checked).
     where: for messages, e.g. ``"inside jpack.optax.flat"``.
     axis_name: the data-parallel axis (bound on slices, refused elsewhere).
     instead: for messages: what runs the optimizer on the params tree.
 
   Returns:
-    ``check(layout)``, which raises `TypeError` if ``inner`` cannot run there (it
-    computes something else on slices than on the params tree; a collective over the
-    axis where every device holds the whole gradient). On ``"buckets"`` it returns,
-    when buckets would change the result but the params tree does not, the name of the
-    transformation that differs (``inner`` must then run on the leaves), else None.
-    Verdicts are kept for the process (`_cached_verdict`).
+    ``check(layout, name=None)``, which raises `TypeError` if ``inner`` cannot run there (it
+    computes something else on owned leaves than on the params tree; a collective over
+    the axis where every device holds the whole gradient). On ``"buckets"`` and
+    ``"slices"`` it returns, when they would change the result but the params tree does
+    not, the name of the transformation that differs (``inner`` must then run on the
+    leaves, or on owned leaves), else None.
+    ``name`` replaces the transformation named in the error (the culprit another probe
+    found). Verdicts are kept for the process (`_cached_verdict`).
   """
   if on not in _ON:
     raise ValueError(f"on must be one of {_ON}, got {on!r}.")
   clip = (", jpack.optax.clip_by_global_norm(max_norm, axis_name) to clip by the global "
           "norm" if on == "slices" else "")
   default = f"Use labels= with a dict of transformations for masks{clip}, or {instead}."
-  if on == "slices":
-    # What ZeRO-1 lacks so far is a device owning whole leaves; the replicated modes
-    # run such a transformation on the leaves already.
-    default = ("ZeRO-1 (jpack.optax.sharded, data_parallel(mode='sharded')) runs only "
-               "elementwise transformations for now: no device owns whole leaves yet. Use "
-               "mode='packed' or jpack.optax.flat, which run it on the leaves and give "
-               "optax's result; or " + default[0].lower() + default[1:])
+  if on.startswith("owned"):
+    default = ("ZeRO-1 (jpack.optax.sharded, data_parallel(mode='sharded')) runs a "
+               "transformation that needs whole leaves on each device's own leaves, but this "
+               "one needs more than a device's own leaves. Use mode='packed' or "
+               "jpack.optax.flat, which run it on all the leaves and give optax's result; "
+               "clip by the global norm with jpack.optax.clip_by_global_norm(max_norm, "
+               "axis_name) first in the chain; give a mask as a function of the params "
+               "(mask=lambda params: ...), which the probe can run on a miniature.")
 
-  def check(layout: Layout) -> str | None:
+  def check(layout: Layout, name: str | None = None) -> str | None:
     spec = _miniature(layout)
     if not spec:
       return None
     refusal = _cached_verdict(inner, spec, on, axis_name)
     if refusal is None:
       return None
-    if on == "buckets" and refusal.leaves:
+    if on in ("buckets", "slices") and refusal.leaves:
       return refusal.name
-    raise TypeError(f"{refusal.name} cannot run {where}: {refusal.reason} "
+    raise TypeError(f"{name or refusal.name} cannot run {where}: {refusal.reason} "
                     f"{refusal.advice or default}") from refusal.cause
 
   return check
@@ -235,7 +243,7 @@ def _cached_verdict(inner: Any, spec: tuple[_Leaf, ...], on: str,
   if found:
     return verdict
   verdict = _in_worker(lambda: _verdict(inner, spec, on, axis_name))
-  exact = on == "slices" or (verdict is not None and verdict.collective)
+  exact = on in ("slices", "owned", "owned_unit") or (verdict is not None and verdict.collective)
   _VERDICTS.put(base + (axis_name if exact else _ANY_AXIS,), verdict)
   return verdict
 
@@ -508,6 +516,8 @@ def _is_transform(code: types.CodeType) -> bool:
 
 
 def _verdict(inner: Any, spec: tuple[_Leaf, ...], on: str, axis_name: Any) -> _Refusal | None:
+  if on.startswith("owned"):
+    return _owned_verdict(inner, spec, axis_name, unit=on == "owned_unit")
   devices = _DEVICES if on == "slices" else 0
   mini = _build(spec, max(devices, 1))
   txs = _transformations(inner, mini)
@@ -523,7 +533,7 @@ def _verdict(inner: Any, spec: tuple[_Leaf, ...], on: str, axis_name: Any) -> _R
     # It needs something of the real params (a mask given as a tree): on the leaves it
     # gets them, as in optax, and its errors are named there if it still raises.
     return _raised(want, on, "on a small params tree of its own")._replace(
-        leaves=on == "buckets")
+        leaves=on in ("buckets", "slices"))
   if on == "tree":
     return None
   got_run = _Run(bucket_tx, _buckets(mini.params, mini.layout, devices),
@@ -541,12 +551,92 @@ def _verdict(inner: Any, spec: tuple[_Leaf, ...], on: str, axis_name: Any) -> _R
     return _collective(e, tree_tx, mini, on, axis_name)._replace(collective=True)
   except Exception as e:  # noqa: BLE001 - named in the refusal
     return _raised(e, on, f"on {_TARGETS[on]}, though not on the params tree,")._replace(
-        leaves=on == "buckets")
+        leaves=on in ("buckets", "slices"))
   found = _compare(want, got, mini, want_run.devices, devices)
   if found is None:
     return None
+  # On slices, even with the axis bound (a chain may hold a collective and a part that
+  # needs whole leaves): the parts are probed on owned leaves, which refuse collectives.
   return _differs(found, _culprit(want_run, got_run, mini), on, described(inner),
-                  got_run.axis_name)._replace(leaves=on == "buckets")
+                  got_run.axis_name)._replace(leaves=on in ("buckets", "slices"))
+
+
+def _owned_verdict(inner: Any, spec: tuple[_Leaf, ...], axis_name: Any,
+                   unit: bool) -> _Refusal | None:
+  """The verdict on owned leaves: each simulated device runs ``inner`` on the miniature
+  tree in which it owns every other leaf (the rest empty, as `jpack._owned` runs it),
+  one device after the other, without an axis (the owned code runs no collective); the
+  owners' updates of every step must be the tree's. The states, whose structure differs
+  between devices, are not compared: what they hold shows in the next updates."""
+  mini = _build(spec, 1)
+  txs = _transformations(inner, mini)
+  if txs is None:
+    return None
+  tree_tx = txs[0]
+  on = "owned_unit" if unit else "owned"
+  want_run, want = _reference(tree_tx, mini, on, axis_name)
+  if want_run is None:
+    if isinstance(want, NameError):
+      return _owned_collective(want)
+    return _raised(want, on, "on a small params tree of its own")
+  keys = sorted(mini.params)
+  owner = {k: i % _DEVICES for i, k in enumerate(keys)}
+
+  def mine(tree, d):
+    return {k: x if owner[k] == d else np.ones(empty_shape(x.shape, unit), x.dtype)
+            for k, x in tree.items()}
+
+  got = []
+  for d in range(_DEVICES):
+    run = _Run(tree_tx, mine(mini.params, d), tuple(mine(g, d) for g in mini.grads),
+               want_run.extra, 0, None)
+    try:
+      got.append(_run(run)[0])
+    except NameError as e:
+      return _owned_collective(e)
+    except Exception as e:  # noqa: BLE001 - named in the refusal
+      return _raised(e, on, f"on {_TARGETS[on]}, though not on the params tree,")
+  for step, updates in enumerate(want[0]):
+    merged = {k: got[owner[k]][0][step][k] for k in keys}
+    found = _difference(updates, merged, mini, f"update {step + 1}")
+    if found:
+      return _differs(found, None, on, described(inner), None)
+  for d, (_, state) in enumerate(got):
+    found = _owned_state_difference(want[1], state, {k for k in keys if owner[k] != d}, mini)
+    if found:
+      return _differs(found, None, on, described(inner), None)
+  return None
+
+
+def _owned_state_difference(want: Any, got: Any, others: set[str], mini: _Mini) -> str | None:
+  """How a device's final state differs from the tree's, leaving out what belongs to
+  leaves it does not own (a path through one of their keys): every other value (step
+  counts, a norm kept in the state) must be the tree's."""
+  leaf = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+  a, a_def = jax.tree_util.tree_flatten_with_path(want, is_leaf=leaf)
+  b, b_def = jax.tree_util.tree_flatten_with_path(got, is_leaf=leaf)
+  if a_def != b_def:  # decided by the stand-ins' shapes: what differs shows in the updates
+    return None
+  for (path, x), (_, y) in zip(a, b):
+    if any(isinstance(k, jax.tree_util.DictKey) and k.key in others for k in path):
+      continue
+    if isinstance(x, optax.MaskedNode) or isinstance(y, optax.MaskedNode):
+      continue
+    x, y = (np.asarray(jax.random.key_data(v) if is_key_dtype(v.dtype) else v) for v in (x, y))
+    found = ("has another shape" if np.shape(x) != np.shape(y) else _mismatch(x, y))
+    if found:
+      return f"the final state at {_shown(path, mini) or 'the root'} {found}"
+  return None
+
+
+def _owned_collective(error: NameError) -> _Refusal:
+  return _Refusal(_raiser(error), (
+      f"it runs a collective over a mesh axis ({error}), and slices would change its "
+      "result, but on ZeRO-1 a transformation that needs whole leaves runs on each "
+      "device's own leaves, without collectives."),
+      "Reduce nothing inside jpack.optax.sharded, which reduce-scatters the gradient "
+      "itself; clip by the global norm with jpack.optax.clip_by_global_norm(max_norm, "
+      "axis_name), which runs on slices.", error)
 
 
 def _reference(tx: Any, mini: _Mini, on: str, axis_name: Any) -> tuple[Any, Any]:
@@ -657,6 +747,10 @@ def _differs(found: str, culprit: Any, on: str, described: str,
     why = (f"It draws random numbers from a key in its state: on {target} it draws other "
            "numbers than on the leaves" + ("; every device would draw the same numbers "
                                             "for its own slice." if on == "slices" else "."))
+  elif on.startswith("owned"):
+    why = ("It reads more than each leaf on its own (statistics of the whole gradient, "
+           "or of several leaves), which a device that owns only some leaves does not "
+           "have.")
   else:
     whole = (", or statistics of the whole gradient, which a slice does not have"
              if on == "slices" else "")

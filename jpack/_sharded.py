@@ -8,8 +8,9 @@ local slices, so per-device optimizer memory is ~1/N of the replicated state.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +21,20 @@ from jpack import _cpu as cpu
 from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
                                 reduce_scatter, shard)
 from jpack._internal import sum_of_squares
-from jpack._labels import Inner, Labels, check_inner, group_fn_for, labelled
-from jpack._layout import Layout, check_plan_options, plan
+from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed
+from jpack._layout import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_LEAVES, Layout,
+                           check_plan_options, plan, shard_of, whole_leaf_shards)
+from jpack._owned import on_owned
 from jpack._pack import Packed, pack
-from jpack._probe import checker
+from jpack._probe import checker, described
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
 from jpack._transforms import (after, after_neighbours, layout_of_masters, layout_state_repr,
                                named_errors,
                                pack_like, unpack_as_returned, update_buckets,
                                value_scalars)
+
+logger = logging.getLogger("jpack")
 
 
 @jax.tree_util.register_dataclass
@@ -120,13 +125,20 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   check_inner(inner, labels)
   check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
   where = "inside jpack.optax.sharded"
-  check = checker(inner, on="slices", axis_name=axis_name, where=where)
+  arrange = ownership(inner, axis_name, where, plan_options)
 
   def layout_for(tree, n):
     if isinstance(tree, (Packed, Shards)):
-      return tree.layout
-    return plan(tree, group_fn=group_fn_for(tree, labels), **{**plan_options,
-                                                               "num_shards": n})
+      layout = arrange(tree.layout)[0]
+      if layout != tree.layout:
+        raise ValueError(
+            f"The params are a {type(tree).__name__} with layout {tree.layout.fingerprint}, "
+            f"but {described(inner)} needs whole leaves on each device, and that layout "
+            "splits some leaves between devices. Pass the params as a tree: init then "
+            "plans a layout whose shards hold whole leaves (state.layout; pack with it).")
+      return layout
+    return arrange(plan(tree, group_fn=group_fn_for(tree, labels),
+                        **{**plan_options, "num_shards": n}))[0]
 
   def init_fn(params):
     n = axis_size(axis_name)
@@ -144,9 +156,8 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       local = params
     else:
       local = shard(params if isinstance(params, Packed) else pack(params, layout), axis_name)
-    check(local.layout)  # on a miniature of the params: compares slices with the tree
     with named_errors(inner, where, "init"):
-      inner_state = labelled(inner, layout).init(local.buckets)
+      inner_state = arrange(layout)[1].init(local.buckets)
     return ShardedState(inner_state, layout,
                         master=None if master is None else master.buckets)
 
@@ -178,7 +189,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
         local_params = shard(local_params, axis_name)
       local_params = local_params.buckets
     with named_errors(inner, where, "update"):
-      new, inner_state, master = update_buckets(labelled(inner, layout), grads.buckets,
+      new, inner_state, master = update_buckets(arrange(layout)[1], grads.buckets,
                                                 state, local_params, extra_args)
     new_state = ShardedState(inner_state, layout, norm, master)
     if isinstance(params, Shards):
@@ -191,6 +202,84 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     return unpack_as_returned(full), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, Any]
+              ) -> Callable[[Layout], tuple[Layout, optax.GradientTransformationExtraArgs]]:
+  """``arrange(layout)``: the layout ZeRO-1 runs ``inner`` on, and ``inner`` over its
+  slices. Parts of ``inner`` that slices would change (per the probe) run on each
+  device's own leaves (`jpack._owned.on_owned`), if the probe finds that they compute
+  optax's result there; the layout is then re-planned so that each shard holds whole
+  leaves (`jpack._layout.whole_leaf_shards`). Anything else is refused with a
+  `TypeError`. Said once per layout (INFO on the ``"jpack"`` logger)."""
+  checks: dict[Any, Callable[[Layout], str | None]] = {}
+  arranged: dict[Layout, tuple[Layout, optax.GradientTransformationExtraArgs]] = {}
+
+  def key(tx: Any) -> Any:
+    return id(tx) if tx is inner else (tx.init, tx.update)
+
+  def check(tx: Any, on: str, layout: Layout, name: str | None = None) -> str | None:
+    if (key(tx), on) not in checks:
+      checks[key(tx), on] = checker(tx, on=on, axis_name=axis_name, where=where)
+    return checks[key(tx), on](layout, name)
+
+  def place(layout: Layout):
+    culprits: dict[Any, str | None] = {}  # by part: what its probe on slices named
+
+    def needs_leaves(tx):
+      culprits[key(tx)] = check(tx, "slices", layout)
+      return culprits[key(tx)]
+
+    def leaves(tx, lay):
+      # What slices would change runs on owned leaves if the probe finds it right there
+      # (with empty stand-ins for the other leaves, else one-element ones); a dict's
+      # multi_transform is made by `placed`: the dict is probed.
+      probed = tx if key(tx) in culprits or not isinstance(inner, Mapping) else inner
+      name = culprits.get(key(probed))
+      try:
+        check(probed, "owned", layout, name)
+        unit = False
+      except TypeError as empty:  # a dim divided by, a max: maybe with stand-ins
+        try:
+          check(probed, "owned_unit", layout, name)
+        except TypeError:
+          raise empty from None
+        unit = True
+      return on_owned(tx, lay, axis_name, unit)
+
+    return placed(inner, layout, needs_leaves, leaves=leaves)
+
+  def arrange(layout: Layout) -> tuple[Layout, optax.GradientTransformationExtraArgs]:
+    if layout in arranged:
+      return arranged[layout]
+    tx, on_leaves, whole = place(layout)
+    final = layout
+    if on_leaves and any(shard_of(layout, s) is None for s in layout.slots):
+      final = whole_leaf_shards(
+          layout, plan_options.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
+          plan_options.get("max_leaves", DEFAULT_MAX_LEAVES))
+      tx = place(final)[0]
+    if on_leaves:
+      differ = ", ".join(dict.fromkeys(on_leaves))
+      logger.info("jpack.optax.sharded (layout %s): %s on each device's own whole leaves "
+                  "(on slices %s would differ)%s; the buckets hold %.3g MB for %.3g MB of "
+                  "leaves", final.fingerprint, described(inner) if whole else differ,
+                  "it" if whole or len(set(on_leaves)) == 1 else "they",
+                  "" if whole else ", the rest on slices",
+                  final.nbytes / 1e6, final.leaf_nbytes / 1e6)
+    arranged[layout] = arranged[final] = (final, tx)
+    return final, tx
+
+  return arrange
+
+
+def sharded_layout(inner: Inner, layout: Layout, axis_name: Any, where: str,
+                   **plan_options: Any) -> Layout:
+  """The layout `sharded` runs ``inner`` on, for params planned as ``layout`` (with
+  ``num_shards``): ``layout`` itself, or re-planned so that each device owns whole
+  leaves where ``inner`` needs them. Raises `TypeError` where ``inner`` cannot run on
+  ZeRO-1 at all (see `ownership`)."""
+  return ownership(inner, axis_name, where, plan_options)(layout)[0]
 
 
 def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.GradientTransformation:

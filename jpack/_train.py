@@ -24,7 +24,7 @@ from jpack._placement import (check_micro_batches, check_splits, place, place_ba
                               replicate)
 from jpack._precision import ParamDtype, cast_params, master_layout
 from jpack._probe import checker
-from jpack._sharded import ShardedState, sharded
+from jpack._sharded import ShardedState, sharded, sharded_layout
 from jpack._transforms import after, allreduce, firsts, flat
 
 MODES = ("allreduce", "packed", "sharded")
@@ -194,9 +194,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   masters = layout if param_dtype is None else master_layout(layout, params_like)
   # On a miniature of the params: the optimizer on buckets or slices against the tree,
   # and no collective over the axis where every device holds the whole gradient.
-  checker(optimizer, on={"packed": "buckets", "sharded": "slices"}.get(mode, "tree"),
-          axis_name=axis_name, where=f"inside data_parallel's optimizer (mode={mode!r})",
-          instead="mode='allreduce', which runs it on the params tree")(masters)
+  where = f"inside data_parallel's optimizer (mode={mode!r})"
+  if mode == "sharded":  # whole leaves on each device, where the optimizer needs them
+    layout = sharded_layout(optimizer, layout, axis_name, where, **plan_options)
+    masters = layout if param_dtype is None else master_layout(layout, params_like)
+  else:
+    checker(optimizer, on="buckets" if mode == "packed" else "tree", axis_name=axis_name,
+            where=where, instead="mode='allreduce', which runs it on the params tree")(masters)
   tx = _transformation(mode, optimizer, labels, axis_name, comm_dtype, param_dtype,
                        plan_options)
   packed_params = mode in ("packed", "sharded")

@@ -211,9 +211,9 @@ def _gather_node(state: FlatState | ShardedState, host: Callable[[Any], np.ndarr
   def convert(x):
     if _is_masked(x):
       return x
-    if isinstance(x, OwnedState):  # no tree form: see `_scatter_inner`
+    if isinstance(x, OwnedState):  # no tree form: see `_check_owned`
       found.append(x)
-      return OwnedState(tuple(_host_leaf(b, host) for b in x.buffers), x.dtypes)
+      return {_owned_key(layout): tuple(_host_leaf(b, host) for b in x.buffers)}
     if not is_buckets(x):
       return _host_leaf(x, host)
     found.append(x)
@@ -338,12 +338,9 @@ def _scatter_inner(tree_state: Any, like_inner: Any, layout: Layout,
   except (ValueError, TypeError):
     converted = tree_state  # a structure mismatch: named below
   else:
-    for (path, node), x in zip(like_nodes, saved):
-      if isinstance(node, OwnedState):
-        _check_owned(root + path, x, node)
     converted = prefix.unflatten(
-        _saved_to_buckets(root + path, x, layout)
-        if is_buckets(node) and not isinstance(node, OwnedState) else x
+        _check_owned(root + path, x, node, layout) if isinstance(node, OwnedState)
+        else _saved_to_buckets(root + path, x, layout) if is_buckets(node) else x
         for (path, node), x in zip(like_nodes, saved))
   if jax.tree.structure(converted) != jax.tree.structure(like_inner):
     raise _structure_error(converted, like_inner, root)
@@ -353,17 +350,28 @@ def _scatter_inner(tree_state: Any, like_inner: Any, layout: Layout,
   return converted
 
 
-def _check_owned(path: tuple[Any, ...], got: Any, want: OwnedState) -> None:
+def _owned_key(layout: Layout) -> str:
+  """Where the saved form keeps an `OwnedState`'s buffers: a key naming what their
+  contents depend on, so that a checkpoint's signature differs on another device count
+  or layout even where the buffers' shapes happen to agree."""
+  return f"owned by {layout.num_shards} devices, layout {layout.fingerprint}"
+
+
+def _check_owned(path: tuple[Any, ...], got: Any, want: OwnedState,
+                 layout: Layout) -> OwnedState:
   """Each device's state of the leaves it owns is kept flattened, in buffers whose
   layout depends on the device count and the params' layout: it restores as saved."""
-  shapes = lambda s: [(tuple(np.shape(b)), str(jnp.result_type(b))) for b in s.buffers]  # noqa: E731
-  if not isinstance(got, OwnedState) or shapes(got) != shapes(want):
+  shapes = lambda bs: [(tuple(np.shape(b)), str(jnp.result_type(b))) for b in bs]  # noqa: E731
+  key = _owned_key(layout)
+  if not (isinstance(got, dict) and set(got) == {key}
+          and shapes(got[key]) == shapes(want.buffers)):
     raise ValueError(
         f"The saved optimizer state at {jax.tree_util.keystr(path)} does not fit the new "
         "run's: on ZeRO-1, the state of a transformation that needs whole leaves (lamb's "
         "trust ratio, adafactor, muon) is kept per device, flattened by the device count "
         "and the params' layout, and restores only onto the same ones. Restore on the same "
         "number of devices with the same params, or save from mode='packed'.")
+  return OwnedState(tuple(got[key]), want.dtypes)
 
 
 def _check_leaf(path: tuple[Any, ...], got: Any, want: Any) -> None:

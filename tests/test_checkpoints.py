@@ -183,6 +183,19 @@ def test_a_sharded_run_on_8_restores_onto_4_and_1(n, tmp_path):
   assert_close(dpn.params(train(dpn, restored, 3, 5)), dp8.params(train(dp8, state, 3, 5)))
 
 
+def test_an_owned_state_restores_on_the_same_device_count_and_no_other(tmp_path):
+  # muon runs on each device's own whole leaves: its state is kept per device,
+  # flattened by the device count and layout.
+  dp8 = make("sharded", 8, optimizer=optax.contrib.muon(1e-2))
+  state = train(dp8, dp8.init(params0()), 0, 3)
+  save(tmp_path, dp8, state, 3)
+  restored, _ = jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp8.init, params0()))
+  assert_bits_equal(dp8.params(train(dp8, restored, 3, 5)), dp8.params(train(dp8, state, 3, 5)))
+  dp4 = make("sharded", 4, optimizer=optax.contrib.muon(1e-2))
+  with pytest.raises(ValueError, match="owned by 8 devices.*not in the new run"):
+    jpack.optax.restore_checkpoint(tmp_path, jax.eval_shape(dp4.init, params0()))
+
+
 @pytest.mark.parametrize("saved_mode,new_mode", [("packed", "sharded"), ("sharded", "packed"),
                                                  ("allreduce", "sharded")])
 def test_a_checkpoint_restores_in_another_mode(saved_mode, new_mode, tmp_path):

@@ -87,13 +87,17 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   if given), so XLA need not copy donated parameters to protect the backward pass.
 
   Args:
-    inner: an elementwise optax transformation (sgd, momentum, adam, adamw, lion, a
-      chain with schedules, `jpack.optax.clip_by_global_norm(..., axis_name)`), or a dict
-      ``{label: transformation}`` with ``labels``. Transformations that need the whole
-      gradient or whole leaves (``optax.clip_by_global_norm``, lamb/lars, adafactor,
-      ``optax.masked``...) are refused with a `TypeError`, because on slices they would
-      silently compute something else; `jpack.optax.flat` (``data_parallel(mode=
-      "packed")``) runs them on the leaves.
+    inner: an optax transformation, or a dict ``{label: transformation}`` with
+      ``labels``. Elementwise ones (sgd, momentum, adam, adamw, lion, chains with
+      schedules, `jpack.optax.clip_by_global_norm(..., axis_name)`) run on the slices.
+      The parts that need whole leaves (lamb's trust ratio, adafactor, muon, sm3, the
+      mask of ``adamw(mask=...)``) run on each device's own whole leaves, with their
+      state for those leaves only: ``init`` then plans a layout whose shards hold whole
+      leaves (each padded to the fullest), and logs it once (INFO, ``"jpack"`` logger).
+      ``init`` probes which, on a miniature of the params. What needs more than a
+      device's own leaves (``optax.clip_by_global_norm`` without an axis,
+      ``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`
+      (``data_parallel(mode="packed")``) runs it on all the leaves.
     axis_name: the data-parallel mesh / pmap axis.
     labels: per-leaf labels (a tree like params or a prefix of it, or ``params ->
       tree``) selecting the
@@ -114,9 +118,11 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     to ``inner``.
 
   Raises:
-    TypeError: ``inner`` cannot run on slices (see ``inner``).
-    ValueError: from ``update``, when the updates or params are a `jpack.Packed` or
-      `jpack.Shards` with another layout than ``state.layout``.
+    TypeError: ``inner`` cannot run on slices or on owned leaves (see ``inner``).
+    ValueError: from ``init``, when the params are a `jpack.Packed` or `jpack.Shards`
+      whose layout splits leaves that ``inner`` needs whole; from ``update``, when the
+      updates or params are a `jpack.Packed` or `jpack.Shards` with another layout
+      than ``state.layout``.
 
   Examples:
     >>> import optax, jpack

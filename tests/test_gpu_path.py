@@ -175,3 +175,19 @@ def test_gpu_zero1_with_bf16_params_reduces_f32_and_gathers_bf16(batch):
           == sorted(t.replace("f32", "bf16") for t in scattered))
   assert "stablehlo.all_to_all" not in text
 
+
+
+def test_gpu_zero1_on_owned_leaves_moves_each_bucket_once(batch):
+  # muon needs whole leaves: each device owns some, under a switch on its index; the
+  # same reduce-scatter and all-gather per bucket move them, and no other collective
+  # moves arrays.
+  params = _params()
+  dp = jpack.data_parallel(_loss, optax.contrib.muon(1e-3), params, mode="sharded")
+  text = _export(dp.step, dp.init(params), batch, platform="cuda")
+  buckets = _bucket_types(dp.layout)
+  colls = _collectives(text)
+  assert sorted(t for op, t in colls if op == "reduce_scatter") == sorted(buckets)
+  assert len([t for op, t in colls if op == "all_gather"]) == len(buckets)
+  assert not [t for op, t in colls if op == "all_reduce" and "x" in t]  # scalars only
+  assert "stablehlo.all_to_all" not in text
+  assert _runtime_conditionals(text) == ["case"]  # the owners' switch

@@ -169,7 +169,16 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
         return after
     return init
 
+  shaped: dict[Any, Any] = {}  # by the shards' shapes: init and every update trace
+
   def init_shapes(shards):
+    key = tuple((x.shape, np.dtype(x.dtype)) for x in shards)
+    if key not in shaped:
+      shaped[key] = _shapes(key)
+    return shaped[key]
+
+  def _shapes(key):
+    shards = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key)
     shapes = [settled(d, shards) for d in devices]
     dtypes = _state_dtypes(shapes)
     sizes = tuple(max(sum(_stored(x)[1] for x in jax.tree.leaves(s) if _stored(x)[0] == name)

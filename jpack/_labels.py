@@ -257,6 +257,26 @@ def in_turn(steps: Sequence[tuple[optax.GradientTransformationExtraArgs, bool]],
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def updates_dtype(given: Any, returned: Mapping[int, Any], layout: Layout) -> np.dtype:
+  """The dtype a bucket of ``given`` dtype takes the updates in that a transformation
+  returned for its leaves (``returned``: slot index -> update): ``given``, or the
+  widest float among them (float32 updates for bfloat16 params, as optax returns for a
+  float32 hyperparameter; `optax.apply_updates` would add them so). Any other change of
+  dtype is refused with the leaves it concerns."""
+  given = np.dtype(given)
+  got = {j: np.dtype(jnp.result_type(x)) for j, x in returned.items()}
+  if set(got.values()) <= {given}:
+    return given
+  if not all(jnp.issubdtype(d, jnp.floating) for d in set(got.values()) | {given}):
+    paths = [layout.slots[j].path for j, d in got.items() if d != given]
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    raise TypeError(
+        f"The optimizer returned {sorted(map(str, set(got.values())))} updates for {given} "
+        f"leaves ({shown}); jpack never casts silently. Keep such leaves out of the "
+        "optimizer: labels= with optax.set_to_zero() for them, or out of the params.")
+  return np.dtype(jnp.result_type(*got.values(), given))
+
+
 def to_tree(buckets: Sequence[Any], layout: Layout) -> Any:
   """The params tree of ``buckets`` of ``layout``, each leaf in its bucket's dtype (the
   masters', or wider updates than the params')."""
@@ -273,21 +293,8 @@ def to_buckets(tree: Any, layout: Layout) -> tuple[Any, ...]:
   widest of them, as `optax.apply_updates` would add them; any other change of dtype is
   refused with the leaves it concerns."""
   leaves = layout.treedef.flatten_up_to(tree)
-  dtypes = []
-  for i, bucket in enumerate(layout.buckets):
-    got = {np.dtype(jnp.result_type(leaves[j])) for j in bucket.slots} or {bucket.dtype}
-    if got == {bucket.dtype}:
-      dtypes.append(bucket.dtype)
-      continue
-    if not all(jnp.issubdtype(d, jnp.floating) for d in got | {bucket.dtype}):
-      paths = [layout.slots[j].path for j in bucket.slots
-               if np.dtype(jnp.result_type(leaves[j])) != bucket.dtype]
-      shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-      raise TypeError(
-          f"The optimizer returned {sorted(map(str, got))} updates for {bucket.dtype} "
-          f"leaves ({shown}); jpack never casts silently. Keep such leaves out of the "
-          "optimizer: labels= with optax.set_to_zero() for them, or out of the params.")
-    dtypes.append(np.dtype(jnp.result_type(*got, bucket.dtype)))
+  dtypes = [updates_dtype(bucket.dtype, {j: leaves[j] for j in bucket.slots}, layout)
+            for bucket in layout.buckets]
   wide = retyped(layout, dtypes)
   leaves = [x if np.dtype(jnp.result_type(x)) == wide.slots[j].dtype
             else jnp.asarray(x).astype(wide.slots[j].dtype) for j, x in enumerate(leaves)]

@@ -31,7 +31,7 @@ from jax import lax
 
 from jpack._collectives import vary
 from jpack._internal import empty_shape, is_key_dtype, key_words, leaf_from_flat
-from jpack._labels import with_extra_args
+from jpack._labels import updates_dtype, with_extra_args
 from jpack._layout import Layout, shard_of
 
 
@@ -231,18 +231,9 @@ def _update_dtypes(layout: Layout, devices: list[_Device], updates: tuple,
   """Each bucket's dtype for the updates: the gradients', or wider floats if the
   transformation returned them (as optax does for a float32 hyperparameter on bfloat16
   params); any other change of dtype is refused with the leaves it concerns."""
-  dtypes = []
-  for i, bucket in enumerate(layout.buckets):
-    given = np.dtype(updates[i].dtype)
-    got = set()
-    for d, tree in zip(devices, returned):
-      leaves = layout.treedef.flatten_up_to(tree)
-      got |= {np.dtype(leaves[j].dtype) for j in bucket.slots if d.owns[j]}
-    if got - {given} and not all(jnp.issubdtype(x, jnp.floating) for x in got | {given}):
-      paths = [layout.slots[j].path for j in bucket.slots][:3]
-      raise TypeError(f"The optimizer returned {sorted(map(str, got))} updates for {given} "
-                      f"leaves ({', '.join(paths)}); jpack never casts silently. Keep such "
-                      "leaves out of the optimizer: labels= with optax.set_to_zero() for "
-                      "them, or out of the params.")
-    dtypes.append(np.dtype(jnp.result_type(given, *got)))
-  return dtypes
+  owned = {}  # slot index -> the owner's update
+  for d, tree in zip(devices, returned):
+    leaves = layout.treedef.flatten_up_to(tree)
+    owned.update((j, leaves[j]) for j, mine in enumerate(d.owns) if mine)
+  return [updates_dtype(updates[i].dtype, {j: owned[j] for j in b.slots if j in owned},
+                        layout) for i, b in enumerate(layout.buckets)]

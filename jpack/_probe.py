@@ -566,8 +566,8 @@ def _owned_verdict(inner: Any, spec: tuple[_Leaf, ...], axis_name: Any,
   """The verdict on owned leaves: each simulated device runs ``inner`` on the miniature
   tree in which it owns every other leaf (the rest empty, as `jpack._owned` runs it),
   one device after the other, without an axis (the owned code runs no collective); the
-  owners' updates of every step must be the tree's. The states, whose structure differs
-  between devices, are not compared: what they hold shows in the next updates."""
+  owners' updates of every step must be the tree's, and so must each device's final
+  state outside the other device's leaves (`_owned_state_difference`)."""
   mini = _build(spec, 1)
   txs = _transformations(inner, mini)
   if txs is None:
@@ -613,20 +613,16 @@ def _owned_state_difference(want: Any, got: Any, others: set[str], mini: _Mini) 
   leaves it does not own (a path through one of their keys): every other value (step
   counts, a norm kept in the state) must be the tree's."""
   leaf = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
-  a, a_def = jax.tree_util.tree_flatten_with_path(want, is_leaf=leaf)
-  b, b_def = jax.tree_util.tree_flatten_with_path(got, is_leaf=leaf)
-  if a_def != b_def:  # decided by the stand-ins' shapes: what differs shows in the updates
-    return None
-  for (path, x), (_, y) in zip(a, b):
+  if jax.tree.structure(want, is_leaf=leaf) != jax.tree.structure(got, is_leaf=leaf):
+    return None  # decided by the stand-ins' shapes: what differs shows in the updates
+
+  def comparable(path, x):  # what is another device's stands masked on both sides
     if any(isinstance(k, jax.tree_util.DictKey) and k.key in others for k in path):
-      continue
-    if isinstance(x, optax.MaskedNode) or isinstance(y, optax.MaskedNode):
-      continue
-    x, y = (np.asarray(jax.random.key_data(v) if is_key_dtype(v.dtype) else v) for v in (x, y))
-    found = ("has another shape" if np.shape(x) != np.shape(y) else _mismatch(x, y))
-    if found:
-      return f"the final state at {_shown(path, mini) or 'the root'} {found}"
-  return None
+      return optax.MaskedNode()
+    return x if leaf(x) or not is_key_dtype(x.dtype) else jax.random.key_data(x)
+
+  return _difference(*(jax.tree_util.tree_map_with_path(comparable, t, is_leaf=leaf)
+                       for t in (want, got)), mini, "the final state")
 
 
 def _owned_collective(error: NameError) -> _Refusal:

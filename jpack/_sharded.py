@@ -210,14 +210,15 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, Any]
+def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, Any],
+              log: bool = True
               ) -> Callable[[Layout], tuple[Layout, optax.GradientTransformationExtraArgs]]:
   """``arrange(layout)``: the layout ZeRO-1 runs ``inner`` on, and ``inner`` over its
   slices. Parts of ``inner`` that slices would change (per the probe) run on each
   device's own leaves (`jpack._owned.on_owned`), if the probe finds that they compute
   optax's result there; the layout is then re-planned so that each shard holds whole
   leaves (`jpack._layout.whole_leaf_shards`). Anything else is refused with a
-  `TypeError`. Said once per layout (INFO on the ``"jpack"`` logger)."""
+  `TypeError`. Said once per layout (INFO on the ``"jpack"`` logger), with ``log``."""
   checks: dict[Any, Callable[[Layout], str | None]] = {}
   arranged: dict[Layout, tuple[Layout, optax.GradientTransformationExtraArgs]] = {}
 
@@ -265,7 +266,7 @@ def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, 
           layout, plan_options.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
           plan_options.get("max_leaves", DEFAULT_MAX_LEAVES))
       tx = place(final)[0]
-    if on_leaves:
+    if on_leaves and log:
       differ = ", ".join(dict.fromkeys(on_leaves))
       logger.info("jpack.optax.sharded (layout %s): %s on each device's own whole leaves "
                   "(on slices %s would differ)%s; the buckets hold %.3g MB for %.3g MB of "
@@ -284,8 +285,8 @@ def sharded_layout(inner: Inner, layout: Layout, axis_name: Any, where: str,
   """The layout `sharded` runs ``inner`` on, for params planned as ``layout`` (with
   ``num_shards``): ``layout`` itself, or re-planned so that each device owns whole
   leaves where ``inner`` needs them. Raises `TypeError` where ``inner`` cannot run on
-  ZeRO-1 at all (see `ownership`)."""
-  return ownership(inner, axis_name, where, plan_options)(layout)[0]
+  ZeRO-1 at all (see `ownership`). Silent: `sharded`'s ``init`` says what runs where."""
+  return ownership(inner, axis_name, where, plan_options, log=False)(layout)[0]
 
 
 def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.GradientTransformation:

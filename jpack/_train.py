@@ -194,14 +194,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
   layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
   _check_trainable(layout)
   # The gradients' dtypes as the optimizer takes them: the masters', or the params'.
-  masters = layout if param_dtype is None else master_layout(layout, params_like)
   # On a miniature of the params: the optimizer on buckets or slices against the tree,
   # and no collective over the axis where every device holds the whole gradient.
   where = f"inside data_parallel's optimizer (mode={mode!r})"
   if mode == "sharded":  # whole leaves on each device, where the optimizer needs them
     layout = sharded_layout(optimizer, layout, axis_name, where, **plan_options)
-    masters = layout if param_dtype is None else master_layout(layout, params_like)
-  else:
+  masters = layout if param_dtype is None else master_layout(layout, params_like)
+  if mode != "sharded":
     checker(optimizer, on="buckets" if mode == "packed" else "tree", axis_name=axis_name,
             where=where, instead="mode='allreduce', which runs it on the params tree")(masters)
   tx = _transformation(mode, optimizer, labels, axis_name, comm_dtype, param_dtype,

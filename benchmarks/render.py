@@ -209,7 +209,8 @@ def _startup(results: Results) -> dict[tuple[str, str], str]:
   for table in _tables(doc, "model", "mode", "first s", "again s") if doc else []:
     for r in table["rows"]:
       c = r["cells"]
-      out[(c["model"], c["mode"])] = f"{c['first s']} ({c['again s']})"
+      if c.get("optimizer", "adamw") == "adamw":  # the step benchmark's optimizer
+        out[(c["model"], c["mode"])] = f"{c['first s']} ({c['again s']})"
   return out
 
 
@@ -363,8 +364,7 @@ def render_startup(results: Results) -> str:
     return _missing("startup")
   table = tables[0]
   note = ("first: the model's first build, with a new optimizer object: the optimizer is "
-          "probed, and the probe compiles the small operations the earlier builds in the "
-          "process have not; again: the same optimizer object, its verdict cached (median "
+          "probed (traced on a miniature of the params, and evaluated by numpy); again: the same optimizer object, its verdict cached (median "
           "over rounds). Before the first row, a 4-leaf MLP is built in every mode: ")
   start = [n for n in doc.get("notes", []) if n.startswith("JAX's own start")]
   return "\n\n".join([f"**{table['title']}**", _select(table, table["columns"]),

@@ -6,7 +6,8 @@ params, the state's shapes) and ``dp.init(params)`` (packing the params on the h
 small program that broadcasts them and initialises the optimizer). The step's own
 compilation is not part of it (the step benchmark reports it).
 
-Per model and mode, on 8 CPU devices, ``optax.adamw``:
+Per model and mode, on 8 CPU devices, ``optax.adamw``, and on the GPT-2-like model also
+optimizers that need whole leaves (their check probes which parts need them):
 
   first   a new optimizer object on params this process has not built a step for: the
           optimizer check probes, init compiles its program
@@ -49,6 +50,12 @@ WIDTH = 32  # of the MLPs' matrices
 DEFAULT_SIZES = (25, 200, 1000, 4000)
 QUICK_SIZES = (25, 200)
 REAL_MODELS = ("gpt2_12x64", "many_small_4000")
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adamw": lambda: optax.adamw(1e-3),
+    "lamb": lambda: optax.lamb(1e-3),
+    "muon": lambda: optax.contrib.muon(1e-3),
+}
+MORE_OPTIMIZERS = {"gpt2_12x64": ("lamb", "muon")}  # beside adamw
 QUICK_REAL_MODELS = ("gpt2_12x64",)
 MODES = ("packed", "sharded", "allreduce")
 DEFAULT_MODES = ("packed", "sharded")  # allreduce's init takes a program per leaf
@@ -83,6 +90,7 @@ class Startup:
   model: str
   leaves: int
   mode: str
+  optimizer: str
   first_build_s: float
   first_init_s: float
   again_build_s: float
@@ -107,11 +115,11 @@ def build_and_init(model: models.Model, optimizer: optax.GradientTransformation,
   return t1 - t0, time.perf_counter() - t1
 
 
-def measure(model: models.Model, mode: str, rounds: int) -> Startup:
-  optimizer = optax.adamw(1e-3)  # a new object: no verdict of the check is cached for it
+def measure(model: models.Model, mode: str, rounds: int, name: str = "adamw") -> Startup:
+  optimizer = OPTIMIZERS[name]()  # a new object: no verdict of the check is cached for it
   first = build_and_init(model, optimizer, mode)
   again = [build_and_init(model, optimizer, mode) for _ in range(rounds)]
-  return Startup(model.name, model.num_leaves, mode, *first,
+  return Startup(model.name, model.num_leaves, mode, name, *first,
                  statistics.median(b for b, _ in again), statistics.median(i for _, i in again))
 
 
@@ -120,7 +128,7 @@ def _goals(results: list[Startup], modes: list[str]) -> list[str]:
   time per leaf from GOAL_LEAVES leaves to the largest."""
   lines = []
   for mode in modes:
-    rows = [r for r in results if r.mode == mode]
+    rows = [r for r in results if r.mode == mode and r.optimizer == "adamw"]
     small = [r for r in rows if r.leaves <= GOAL_LEAVES]
     for which in ("first", "again"):
       worst = max(small, key=lambda r: getattr(r, f"{which}_s"), default=None)
@@ -144,12 +152,12 @@ def _goals(results: list[Startup], modes: list[str]) -> list[str]:
 def _report(argv: list[str], warmup_s: float, results: list[Startup],
             modes: list[str]) -> c.Report:
   report = c.Report("Startup: data_parallel + init, 8 CPU devices", "startup", argv)
-  table = c.Table(["model", "leaves", "mode", "build s", "init s", "first s",
+  table = c.Table(["model", "leaves", "mode", "optimizer", "build s", "init s", "first s",
                    "again: build s", "init s ", "again s", "first per leaf ms"],
                   "build and init (first: the optimizer check probes; again: its verdict "
                   "cached)")
   for r in results:
-    table.add(r.model, r.leaves, r.mode, c.fmt_s(r.first_build_s), c.fmt_s(r.first_init_s),
+    table.add(r.model, r.leaves, r.mode, r.optimizer, c.fmt_s(r.first_build_s), c.fmt_s(r.first_init_s),
               c.fmt_s(r.first_s), c.fmt_s(r.again_build_s), c.fmt_s(r.again_init_s),
               c.fmt_s(r.again_s), f"{1e3 * r.first_s / r.leaves:.3g}",
               **{**dataclasses.asdict(r), "first_s": r.first_s, "again_s": r.again_s})
@@ -208,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
   c.require_devices(DEVICES)
   c.banner("benchmarks.startup", [
       f"MLPs of {', '.join(map(str, sizes)) or 'no'} leaves; {', '.join(real) or 'no'} real "
-      f"models; modes {', '.join(modes)}; optax.adamw; again: median of {args.rounds}"])
+      f"models; modes {', '.join(modes)}; optax.adamw (and on gpt2_12x64 lamb, muon); "
+      f"again: median of {args.rounds}"])
   makers: list[Callable[[], models.Model]] = [lambda n=n: mlp(n) for n in sizes]
   makers += [REAL[name] for name in real]
+  more = {name: MORE_OPTIMIZERS.get(name, ()) for name in real}
   t0 = time.perf_counter()
   tiny = mlp(4)
   for mode in modes:  # JAX's own start, and the first compilations of every mode
@@ -219,11 +229,12 @@ def main(argv: list[str] | None = None) -> int:
   results = []
   for make in makers:
     model = make()
-    for mode in modes:
-      results.append(measure(model, mode, args.rounds))
-      r = results[-1]
-      print(f"{r.model} ({r.leaves} leaves), {mode}: first {r.first_s:.2f} s, again "
-            f"{r.again_s:.2f} s", flush=True)
+    for name in ("adamw", *more.get(model.name, ())):
+      for mode in modes:
+        results.append(measure(model, mode, args.rounds, name))
+        r = results[-1]
+        print(f"{r.model} ({r.leaves} leaves), {mode}, {name}: first {r.first_s:.2f} s, "
+              f"again {r.again_s:.2f} s", flush=True)
     c.release_host_memory()
   report = _report(argv, warmup_s, results, modes)
   report.write(args)

@@ -62,14 +62,17 @@ class _Device:
   def tree(self, shards: tuple[Any, ...]) -> Any:
     """The params tree of ``shards`` (this device's shard of every bucket): its own
     leaves from their shards, every other leaf empty (or ones, of one element)."""
-    leaves = []
+    leaves, others = [], {}
     for j, slot in enumerate(self.layout.slots):
       x = shards[slot.bucket]
       if self.owns[j]:
         start = slot.offset - self.k * self.width[slot.bucket]
         leaves.append(x[start:start + slot.size].reshape(slot.shape))
-      else:
-        leaves.append(jnp.ones(empty_shape(slot.shape, self.unit), x.dtype))
+      else:  # one array per shape and dtype, shared: a trace makes each one an operation
+        key = (empty_shape(slot.shape, self.unit), x.dtype)
+        if key not in others:
+          others[key] = jnp.ones(*key)
+        leaves.append(others[key])
     return self.layout.treedef.unflatten(leaves)
 
   def shards(self, tree: Any, dtypes: list[np.dtype]) -> tuple[jax.Array, ...]:
@@ -159,6 +162,8 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
     """A device's state as it is after an update: optax may widen it in the first one
     (lars' trace of bfloat16 params becomes float32), and the buffers keep one form."""
     init = jax.eval_shape(lambda s: tx.init(d.tree(s)), shards)
+    if not any(_narrow(x.dtype) for x in (*shards, *jax.tree.leaves(init))):
+      return init  # nothing to widen: tracing an update of every device costs seconds
     for extra in ({}, {"value": jax.ShapeDtypeStruct((), jnp.float32)}):
       try:
         after = jax.eval_shape(lambda s, st, e: tx.update(d.tree(s), st, d.tree(s), **e)[1],
@@ -219,6 +224,13 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
     return tuple(new), OwnedState(tuple(buffers), dtypes)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _narrow(dtype: Any) -> bool:
+  """A float narrower than float32 (what optax's first update may widen)."""
+  return (not is_key_dtype(dtype) and jnp.issubdtype(dtype, jnp.inexact)
+          and np.dtype(dtype).itemsize < (8 if jnp.issubdtype(dtype, jnp.complexfloating)
+                                          else 4))
 
 
 def _cast(state: Any, like: Any) -> Any:

@@ -35,10 +35,13 @@ noise drawn on leaves, and every device would draw the same noise for its slice.
 
 Tracers: ``init`` may run under `jax.jit`, `jax.shard_map`, `jax.pmap` or
 `jax.eval_shape`, where its params are tracers. The probe reads only shapes, dtypes and
-labels from the `Layout`, makes its own numpy values, and runs eagerly in a worker
-thread (on the CPU, with 64-bit types and without jit, so a lax.cond runs as Python
-instead of compiling its branches): JAX keeps its trace and bound axis names per thread,
-so the caller's trace and mesh axes stay out.
+labels from the `Layout`, makes its own numpy values, and runs in a worker thread (on
+the CPU, with 64-bit types and without jit): JAX keeps its trace and bound axis names
+per thread, so the caller's trace and mesh axes stay out. Each run is traced and its
+jaxpr evaluated by numpy (`jpack._numpy_eval`), so that the probe compiles nothing; a
+run that needs values in Python, or an operation numpy is not given, runs eagerly
+instead (a lax.cond then runs as Python, without compiling its branches), as do the
+recorded runs that name a culprit where the jaxpr has control flow.
 
 Devices and collectives: two devices are simulated, one after the other, so the verdict
 does not depend on the real device count. A collective in the transformation then
@@ -57,8 +60,7 @@ verdict holds when the group grows); each keeps its rank, its two largest dims c
 128 (optax factors moments of dims from 128 on, so such shape-dependent behaviour still
 shows), the others to 4. PRNG key and empty leaves are left out. Buckets are packed
 without alignment padding, so slices cut across leaves. The cost does not grow with the
-model: a few eager updates of a few small arrays. The first probe in a process compiles
-the small operations it runs, later ones reuse them, and the verdicts are kept for the
+model: a few traces of a few updates of small arrays. The verdicts are kept for the
 process (the last 64, by optimizer, miniature and target), so ``init`` traced again
 (eval_shape, jit), the same step built again, or `jpack.optax.flat`'s own check after
 ``data_parallel``'s, does not probe again.
@@ -83,6 +85,7 @@ import math
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -94,6 +97,7 @@ import optax
 from jpack._internal import empty_shape, is_key_dtype
 from jpack._labels import labelled, multi_transform, with_extra_args
 from jpack._layout import Layout, plan
+from jpack._numpy_eval import evaluate
 
 _BIG_DIM = 128  # the two largest dims of a miniature leaf; optax factors from 128 on
 _SMALL_DIM = 4  # its other dims
@@ -424,13 +428,19 @@ def _run(run: _Run, record: bool = False) -> tuple[Any, list]:
   calls: list = []
 
   def one(params, grads):
-    if not record:
-      return _arrays(_steps(run.tx, params, grads, run.extra)), []
-    with _Recorder() as recorder:
-      out = _steps(run.tx, params, grads, run.extra)
+    def steps(params, grads):
+      if not record:
+        return _steps(run.tx, params, grads, run.extra), []
+      with _Recorder() as recorder:
+        out = _steps(run.tx, params, grads, run.extra)
+      recorded[:] = recorder.calls  # of the last run (a trace, and maybe the call)
+      return out, recorder.values
+
+    recorded: list = []
+    out, values = evaluate(steps, params, grads, branches=not record)
     if not calls:
-      calls.extend(recorder.calls)
-    return _arrays(out), _arrays(recorder.values)
+      calls.extend(recorded)
+    return _arrays(out), _arrays(values)
 
   if not run.devices:
     out, values = one(run.params, run.grads)
@@ -479,7 +489,13 @@ class _Recorder:
     sys.setprofile(self._previous)
 
   def _event(self, frame: types.FrameType, event: str, arg: Any) -> None:
-    if event not in ("call", "return") or not _is_update(frame.f_code):
+    if event not in ("call", "return"):
+      return
+    code = frame.f_code
+    is_update = _IS_UPDATE.get(code)
+    if is_update is None:  # the hook sees every call of a trace: decide once per code
+      is_update = _IS_UPDATE[code] = _is_update(code)
+    if not is_update:
       return
     if event == "call":
       name = _name(frame.f_globals.get("__name__", ""), frame.f_code.co_qualname)
@@ -494,6 +510,9 @@ class _Recorder:
       self.calls.append((tuple(n for n, _ in self._stack) + (name,), type(state).__name__,
                          keys))
       self.values.append((inputs, arg[0], state))
+
+
+_IS_UPDATE: "weakref.WeakKeyDictionary[types.CodeType, bool]" = weakref.WeakKeyDictionary()
 
 
 def _arguments(code: types.CodeType) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -368,20 +369,42 @@ def placement(inner: Inner, where: str
   return running
 
 
+_PASSED: collections.OrderedDict[Any, None] = collections.OrderedDict()
+_MAX_PASSED = 64  # (optimizer, layout) pairs whose leaves' part passed, for the process
+
+
 def _check_on_leaves(tx: optax.GradientTransformationExtraArgs, inner: Inner,
                      layout: Layout, where: str) -> None:
   """Raise from ``init`` what the leaves' part raises on the params' shapes (the
   probe's miniature is not the params: a mask given as a tree fits only the params):
-  one abstract ``update``, without extra arguments and then with ``value=``."""
+  one abstract ``update``, without extra arguments and then with ``value=``. Once per
+  optimizer and layout in the process: the trace of a per-leaf optimizer on a large
+  tree takes a second, and a notebook builds the same step again."""
+  key = (_functions(inner), layout)
+  if key in _PASSED:
+    _PASSED.move_to_end(key)
+    return
   buckets = tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in layout.buckets)
   error = None
   for extra in ({}, {"value": jax.ShapeDtypeStruct((), jnp.float32)}):
     try:
       jax.eval_shape(lambda g, e: tx.update(g, tx.init(g), g, **e), buckets, extra)
+      _PASSED[key] = None
+      while len(_PASSED) > _MAX_PASSED:
+        _PASSED.popitem(last=False)
       return
     except Exception as e:  # noqa: BLE001 - named in the refusal
       error = error or e
   raise refused(error, inner, where, "update (on the params' shapes)") from error
+
+
+def _functions(inner: Inner) -> Any:
+  """``inner`` by the identity of its functions (a transformation is a pair of
+  closures; two ``lamb(1e-3)`` differ), or of each label's: hashable, and kept alive by
+  the key, so that no other function takes their ids."""
+  if isinstance(inner, Mapping):
+    return tuple((label, _functions(tx)) for label, tx in inner.items())
+  return (inner.init, inner.update)
 
 
 @contextlib.contextmanager

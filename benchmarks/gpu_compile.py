@@ -25,11 +25,13 @@ table) and 8-way data parallelism:
   allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
   packed_bf16_params, sharded_bf16_params    ``param_dtype=jnp.bfloat16`` (f32 masters)
   packed_acc4, sharded_acc4     ``accumulate=4``
+  sharded_lamb  ZeRO-1 with ``optax.lamb``: its trust ratio needs whole leaves, so each
+                device owns some, every shard padded to the fullest (args show it)
 
 "removed" is the share of per-leaf's kernels (and HBM bytes) above the floor that a
 variant does not have: 100 % is the floor itself, 0 % is per-leaf, below 0 is worse.
-Not given for accumulate=4 (four forward and backward passes) or bf16 params (half the
-bytes).
+Not given for accumulate=4 (four forward and backward passes), bf16 params (half the
+bytes) or lamb (another optimizer).
 
   python -m benchmarks gpu_compile                         # every workload, every variant
   python -m benchmarks gpu_compile --workloads gpt2_small --variants per_leaf,packed
@@ -87,16 +89,21 @@ VARIANTS = {
     "sharded_bf16_params": "jpack sharded, bf16 params",
     "packed_acc4": "jpack packed, accumulate=4",
     "sharded_acc4": "jpack sharded, accumulate=4",
+    "sharded_lamb": "jpack sharded, lamb (owned leaves)",
 }
 JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
          "sharded": dict(mode="sharded"),
          "packed_bf16_params": dict(mode="packed", param_dtype=jnp.bfloat16),
          "sharded_bf16_params": dict(mode="sharded", param_dtype=jnp.bfloat16),
          "packed_acc4": dict(mode="packed", accumulate=4),
-         "sharded_acc4": dict(mode="sharded", accumulate=4)}
-# Shares of per-leaf's overhead compare steps of the same params and rows only: not
-# accumulation (four passes) or bf16 params (half the bytes).
-ACCUMULATING = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16_params")
+         "sharded_acc4": dict(mode="sharded", accumulate=4),
+         "sharded_lamb": dict(mode="sharded")}
+# Every variant runs adamw but these.
+OPTIMIZERS = {"sharded_lamb": lambda: optax.lamb(LEARNING_RATE)}
+# Shares of per-leaf's overhead compare steps of the same params, rows and optimizer
+# only: not accumulation (four passes), bf16 params (half the bytes) or lamb.
+ACCUMULATING = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16_params",
+                "sharded_lamb")
 # Collectives this small are the loss's and the norm's scalars, not a bucket's.
 BUCKET_MIN_BYTES = 1024
 # The goals jpack's default and ZeRO-1 modes are held to on every workload.
@@ -135,7 +142,7 @@ def _floor(model: models.Model, mesh) -> step_bench.Step:
 
 def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
   """Variant ``key``'s ``(init, step)``: init maps params to the step's state."""
-  tx = optax.adamw(LEARNING_RATE)
+  tx = OPTIMIZERS.get(key, lambda: optax.adamw(LEARNING_RATE))()
   if key in JPACK:
     dp = jpack.data_parallel(model.loss, tx, model.params, mesh, axis_name=AXIS, **JPACK[key])
     return dp.init, dp.step

@@ -5,10 +5,11 @@ params, eagerly: every operation on a shape it has not met compiles with XLA fir
 about 40 ms each on a small CPU, and a first check meets dozens. The same operations,
 traced once and evaluated by numpy, cost no compilation. `evaluate` does that where the
 jaxpr holds only operations numpy has (the elementwise ones, reductions, dot_general,
-reshapes, slices, control flow: what optax's transformations are made of), and runs the
-function eagerly otherwise (anything else, or a function that cannot be traced because
-it branches on values in Python): the result is the same either way, up to rounding,
-and so is an error fn raises.
+reshapes, slices, control flow: what optax's transformations are made of). Any other
+operation runs in JAX, that operation alone; the whole function runs eagerly only when
+that fails (a PRNG key's dtype) or when it cannot be traced (it branches on values in
+Python). The result is the same either way, up to rounding, and so is an error fn
+raises.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def _jaxpr(jaxpr: Any, consts: list, args: list) -> list:
     env[v] = np.asarray(x)
   for eqn in jaxpr.eqns:
     rule = _RULES.get(eqn.primitive.name)
-    if rule is None:
-      raise _Unsupported(eqn.primitive.name)
-    outs = rule(eqn.params, *map(read, eqn.invars))
+    if rule is None:  # run by JAX, this one operation (a scatter, a PRNG's bits)
+      outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.params)
+    else:
+      outs = rule(eqn.params, *map(read, eqn.invars))
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, x in zip(eqn.outvars, outs):

@@ -98,7 +98,8 @@ def _shapes(x, y):
   return (jnp.einsum("...ij,...jk->...ik", x, y), jnp.einsum("bij,bij->b", x, x),
           jnp.transpose(x, (2, 0, 1)), jnp.concatenate([x, x], axis=1)[:, ::2],
           jnp.broadcast_to(x.sum(axis=1, keepdims=True), x.shape), x.reshape(-1)[1:5],
-          jnp.squeeze(x[:, :1], 1).max(axis=-1), jnp.arange(6).reshape(2, 3) * x.min())
+          jnp.squeeze(x[:, :1], 1).max(axis=-1), jnp.arange(6).reshape(2, 3) * x.min(),
+          x.at[1, 2].add(5.0))  # a scatter: no numpy rule, run by JAX alone
 
 
 _FUNCTIONS = {"control flow": _control_flow, "arithmetic": _arithmetic, "shapes": _shapes}

@@ -210,6 +210,9 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+_MAX_PADDING = 2.0  # bucket bytes over leaf bytes above which init warns
+
+
 def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, Any],
               log: bool = True
               ) -> Callable[[Layout], tuple[Layout, optax.GradientTransformationExtraArgs]]:
@@ -268,12 +271,18 @@ def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, 
       tx = place(final)[0]
     if on_leaves and log:
       differ = ", ".join(dict.fromkeys(on_leaves))
-      logger.info("jpack.optax.sharded (layout %s): %s on each device's own whole leaves "
-                  "(on slices %s would differ)%s; the buckets hold %.3g MB for %.3g MB of "
-                  "leaves", final.fingerprint, described(inner) if whole else differ,
-                  "it" if whole or len(set(on_leaves)) == 1 else "they",
-                  "" if whole else ", the rest on slices",
-                  final.nbytes / 1e6, final.leaf_nbytes / 1e6)
+      # Padded to more than twice the leaves (a leaf far larger than the rest): the
+      # collectives and the buffers then cost more than ZeRO-1 saves.
+      padded = final.nbytes > _MAX_PADDING * final.leaf_nbytes
+      logger.log(logging.WARNING if padded else logging.INFO,
+                 "jpack.optax.sharded (layout %s): %s on each device's own whole leaves "
+                 "(on slices %s would differ)%s; the buckets hold %.3g MB for %.3g MB of "
+                 "leaves%s", final.fingerprint, described(inner) if whole else differ,
+                 "it" if whole or len(set(on_leaves)) == 1 else "they",
+                 "" if whole else ", the rest on slices",
+                 final.nbytes / 1e6, final.leaf_nbytes / 1e6,
+                 " (padded to the largest leaf on every device: mode='packed', which "
+                 "keeps a replicated state, moves and holds less here)" if padded else "")
     arranged[layout] = arranged[final] = (final, tx)
     return final, tx
 

@@ -1,5 +1,7 @@
 """ZeRO-1 (jpack.optax.sharded) vs the replicated optimizer after per-leaf pmean."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -443,3 +445,20 @@ def test_a_prefix_label_tree_labels_whole_subtrees_as_in_optax(mode):
   with pytest.raises(ValueError, match="or a prefix of it"):
     _train(mesh, f32_params(), mode=mode, optimizer=labelled_optimizer(),
            labels={"dense": "decay"}, steps=0)
+
+
+@pytest.mark.parametrize("dominant", [True, False])
+def test_init_warns_when_owned_leaves_pad_the_buckets_beyond_twice_the_leaves(
+    caplog, dominant):
+  """One leaf far larger than the rest pads every device's shard to it: init says so at
+  WARNING with what to use instead; leaves of similar size are said at INFO."""
+  sizes = [4096] + [64] * 7 if dominant else [512] * 8
+  params = {f"w{i}": jnp.ones((n, 4), jnp.float32) for i, n in enumerate(sizes)}
+  with caplog.at_level(logging.INFO, logger="jpack"):
+    init_sharded(jpack.optax.sharded(optax.lamb(1e-2), "batch"), params, n=8)
+  records = [r for r in caplog.records if r.name == "jpack" and "own whole leaves" in
+             r.getMessage()]
+  assert len(records) == 1, [r.getMessage() for r in records]
+  (record,) = records
+  assert record.levelno == (logging.WARNING if dominant else logging.INFO)
+  assert ("mode='packed'" in record.getMessage()) == dominant

@@ -23,7 +23,8 @@ import numpy as np
 
 
 class _Unsupported(Exception):
-  """An operation numpy is not given here: the caller runs the function eagerly."""
+  """A jaxpr not to be evaluated here (control flow, with ``branches=False``): the
+  function is called instead."""
 
 
 def evaluate(fn: Callable[..., Any], *args: Any, branches: bool = True) -> Any:

@@ -364,8 +364,8 @@ def render_startup(results: Results) -> str:
     return _missing("startup")
   table = tables[0]
   note = ("first: the model's first build, with a new optimizer object: the optimizer is "
-          "probed (traced on a miniature of the params, and evaluated by numpy); again: the same optimizer object, its verdict cached (median "
-          "over rounds). Before the first row, a 4-leaf MLP is built in every mode: ")
+          "probed (traced on a miniature of the params, and evaluated by numpy); again: "
+          "the same optimizer object, its verdict cached (median over rounds). Before the first row, a 4-leaf MLP is built in every mode: ")
   start = [n for n in doc.get("notes", []) if n.startswith("JAX's own start")]
   return "\n\n".join([f"**{table['title']}**", _select(table, table["columns"]),
                        note + (start[0] if start else "not counted."), machine_line(doc)])

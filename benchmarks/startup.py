@@ -214,13 +214,13 @@ def main(argv: list[str] | None = None) -> int:
   modes = _names(args.modes, ("packed",) if args.quick else DEFAULT_MODES, MODES, "--modes")
   c.set_cpu_devices(DEVICES)  # before anything creates an array
   c.require_devices(DEVICES)
+  more = "; ".join(f"on {m} {', '.join(o)}" for m, o in MORE_OPTIMIZERS.items())
   c.banner("benchmarks.startup", [
       f"MLPs of {', '.join(map(str, sizes)) or 'no'} leaves; {', '.join(real) or 'no'} real "
-      f"models; modes {', '.join(modes)}; optax.adamw (and on gpt2_12x64 lamb, muon); "
+      f"models; modes {', '.join(modes)}; optax.adamw (and {more}); "
       f"again: median of {args.rounds}"])
   makers: list[Callable[[], models.Model]] = [lambda n=n: mlp(n) for n in sizes]
   makers += [REAL[name] for name in real]
-  more = {name: MORE_OPTIMIZERS.get(name, ()) for name in real}
   t0 = time.perf_counter()
   tiny = mlp(4)
   for mode in modes:  # JAX's own start, and the first compilations of every mode
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
   results = []
   for make in makers:
     model = make()
-    for name in ("adamw", *more.get(model.name, ())):
+    for name in ("adamw", *MORE_OPTIMIZERS.get(model.name, ())):
       for mode in modes:
         results.append(measure(model, mode, args.rounds, name))
         r = results[-1]

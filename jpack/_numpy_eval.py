@@ -22,11 +22,6 @@ import jax.extend.core as jax_core
 import numpy as np
 
 
-class _Unsupported(Exception):
-  """A jaxpr not to be evaluated here (control flow, with ``branches=False``): the
-  function is called instead."""
-
-
 def evaluate(fn: Callable[..., Any], *args: Any, branches: bool = True) -> Any:
   """``fn(*args)`` for numpy ``args``: traced, and evaluated with numpy where every
   operation allows it, otherwise called. Leaves of the result that are not arrays
@@ -57,12 +52,12 @@ def evaluate(fn: Callable[..., Any], *args: Any, branches: bool = True) -> Any:
     return fn(*args)
   # Any other error is raised: called, fn would raise it at the same point, as nothing
   # before it could depend on values.
+  if not branches and any(e.primitive.name in _BRANCHES for e in closed.jaxpr.eqns):
+    return fn(*args)
   try:
-    if not branches and any(e.primitive.name in _BRANCHES for e in closed.jaxpr.eqns):
-      raise _Unsupported("control flow")
     with np.errstate(all="ignore"):  # as XLA: inf and NaN, no warnings
       out = iter(_closed(closed, jax.tree.leaves(args)))
-  except Exception:  # noqa: BLE001 - an operation without a rule here: call it
+  except Exception:  # noqa: BLE001 - numpy or JAX could not evaluate it: call it
     return fn(*args)
   return jax.tree.unflatten(kept["tree"], [next(out) if x is None else x
                                            for x in kept["static"]])

@@ -38,10 +38,11 @@ Tracers: ``init`` may run under `jax.jit`, `jax.shard_map`, `jax.pmap` or
 labels from the `Layout`, makes its own numpy values, and runs in a worker thread (on
 the CPU, with 64-bit types and without jit): JAX keeps its trace and bound axis names
 per thread, so the caller's trace and mesh axes stay out. Each run is traced and its
-jaxpr evaluated by numpy (`jpack._numpy_eval`), so that the probe compiles nothing; a
-run that needs values in Python, or an operation numpy is not given, runs eagerly
-instead (a lax.cond then runs as Python, without compiling its branches), as do the
-recorded runs that name a culprit where the jaxpr has control flow.
+jaxpr evaluated by numpy (`jpack._numpy_eval`), so that the probe compiles nothing
+(an operation numpy has no rule for runs in JAX alone); a run that needs values in
+Python runs eagerly instead (a lax.cond then runs as Python, without compiling its
+branches), as do the recorded runs that name a culprit where the jaxpr has control
+flow.
 
 Devices and collectives: two devices are simulated, one after the other, so the verdict
 does not depend on the real device count. A collective in the transformation then
@@ -85,7 +86,6 @@ import math
 import sys
 import threading
 import types
-import weakref
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -206,15 +206,18 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
   return check
 
 
-class _Verdicts:
-  """The verdicts of the process, least recently used first, keyed by the optimizer
-  (`_identity`), the miniature, the target and the axis name."""
+class Recent:
+  """Values kept for the process, the least recently used dropped beyond ``limit``:
+  the probe's verdicts (keyed by the optimizer's `identity`, the miniature, the target
+  and the axis name), and `jpack.optax.flat`'s checks that passed. Thread-safe."""
 
-  def __init__(self):
-    self.kept: collections.OrderedDict[Any, _Refusal | None] = collections.OrderedDict()
+  def __init__(self, limit: int):
+    self.limit = limit
+    self.kept: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     self.lock = threading.Lock()
 
-  def get(self, keys: tuple[Any, ...]) -> tuple[bool, _Refusal | None]:
+  def get(self, keys: tuple[Any, ...]) -> tuple[bool, Any]:
+    """(found, value) for the first of ``keys`` kept."""
     with self.lock:
       for key in keys:
         if key in self.kept:
@@ -222,14 +225,14 @@ class _Verdicts:
           return True, self.kept[key]
     return False, None
 
-  def put(self, key: Any, verdict: _Refusal | None) -> None:
+  def put(self, key: Any, value: Any) -> None:
     with self.lock:
-      self.kept[key] = verdict
-      while len(self.kept) > _MAX_VERDICTS:
+      self.kept[key] = value
+      while len(self.kept) > self.limit:
         self.kept.popitem(last=False)
 
 
-_VERDICTS = _Verdicts()
+_VERDICTS = Recent(_MAX_VERDICTS)
 
 
 def _cached_verdict(inner: Any, spec: tuple[_Leaf, ...], on: str,
@@ -238,7 +241,7 @@ def _cached_verdict(inner: Any, spec: tuple[_Leaf, ...], on: str,
   process. The axis name matters on slices (it is bound there) and to a collective's
   refusal; any other verdict holds for every axis name, so ``data_parallel``'s check
   and ``flat``'s (which knows no axis) share it."""
-  base = (_identity(inner), spec, on)
+  base = (identity(inner), spec, on)
   try:
     hash(base + (axis_name,))
   except TypeError:  # an unhashable part (a transformation object of the user's own)
@@ -252,14 +255,14 @@ def _cached_verdict(inner: Any, spec: tuple[_Leaf, ...], on: str,
   return verdict
 
 
-def _identity(inner: Any) -> Any:
+def identity(inner: Any) -> Any:
   """A hashable stand-in for ``inner`` equal only to itself. An optax transformation is
   a pair of closures, so two ``adam(1e-3)`` are not equal, and its hyperparameters may
   be arrays or functions: its ``init`` and ``update`` are compared by identity (the key
   keeps them alive, so no other function takes their ids while the verdict is kept). A
   dict of transformations by label: its items."""
   if isinstance(inner, Mapping):
-    return tuple((label, _identity(tx)) for label, tx in inner.items())
+    return tuple((label, identity(tx)) for label, tx in inner.items())
   init, update = getattr(inner, "init", None), getattr(inner, "update", None)
   if init is None or update is None:
     return inner
@@ -489,13 +492,7 @@ class _Recorder:
     sys.setprofile(self._previous)
 
   def _event(self, frame: types.FrameType, event: str, arg: Any) -> None:
-    if event not in ("call", "return"):
-      return
-    code = frame.f_code
-    is_update = _IS_UPDATE.get(code)
-    if is_update is None:  # the hook sees every call of a trace: decide once per code
-      is_update = _IS_UPDATE[code] = _is_update(code)
-    if not is_update:
+    if event not in ("call", "return") or not _is_update(frame.f_code):
       return
     if event == "call":
       name = _name(frame.f_globals.get("__name__", ""), frame.f_code.co_qualname)
@@ -510,9 +507,6 @@ class _Recorder:
       self.calls.append((tuple(n for n, _ in self._stack) + (name,), type(state).__name__,
                          keys))
       self.values.append((inputs, arg[0], state))
-
-
-_IS_UPDATE: "weakref.WeakKeyDictionary[types.CodeType, bool]" = weakref.WeakKeyDictionary()
 
 
 def _arguments(code: types.CodeType) -> tuple[str, ...]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -23,7 +22,7 @@ from jpack._pack import Packed, pack, unpack
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed
-from jpack._probe import checker, described, refused
+from jpack._probe import Recent, checker, described, identity, refused
 
 logger = logging.getLogger("jpack")
 
@@ -369,8 +368,7 @@ def placement(inner: Inner, where: str
   return running
 
 
-_PASSED: collections.OrderedDict[Any, None] = collections.OrderedDict()
-_MAX_PASSED = 64  # (optimizer, layout) pairs whose leaves' part passed, for the process
+_PASSED = Recent(64)  # (optimizer, layout) pairs whose leaves' part passed
 
 
 def _check_on_leaves(tx: optax.GradientTransformationExtraArgs, inner: Inner,
@@ -380,31 +378,23 @@ def _check_on_leaves(tx: optax.GradientTransformationExtraArgs, inner: Inner,
   one abstract ``update``, without extra arguments and then with ``value=``. Once per
   optimizer and layout in the process: the trace of a per-leaf optimizer on a large
   tree takes a second, and a notebook builds the same step again."""
-  key = (_functions(inner), layout)
-  if key in _PASSED:
-    _PASSED.move_to_end(key)
-    return
+  key = (identity(inner), layout)
+  try:
+    if _PASSED.get((key,))[0]:
+      return
+  except TypeError:  # an unhashable part (a transformation object of the user's own)
+    key = None
   buckets = tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in layout.buckets)
   error = None
   for extra in ({}, {"value": jax.ShapeDtypeStruct((), jnp.float32)}):
     try:
       jax.eval_shape(lambda g, e: tx.update(g, tx.init(g), g, **e), buckets, extra)
-      _PASSED[key] = None
-      while len(_PASSED) > _MAX_PASSED:
-        _PASSED.popitem(last=False)
+      if key is not None:
+        _PASSED.put(key, None)
       return
     except Exception as e:  # noqa: BLE001 - named in the refusal
       error = error or e
   raise refused(error, inner, where, "update (on the params' shapes)") from error
-
-
-def _functions(inner: Inner) -> Any:
-  """``inner`` by the identity of its functions (a transformation is a pair of
-  closures; two ``lamb(1e-3)`` differ), or of each label's: hashable, and kept alive by
-  the key, so that no other function takes their ids."""
-  if isinstance(inner, Mapping):
-    return tuple((label, _functions(tx)) for label, tx in inner.items())
-  return (inner.init, inner.update)
 
 
 @contextlib.contextmanager

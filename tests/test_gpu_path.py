@@ -176,7 +176,6 @@ def test_gpu_zero1_with_bf16_params_reduces_f32_and_gathers_bf16(batch):
   assert "stablehlo.all_to_all" not in text
 
 
-
 def test_gpu_zero1_on_owned_leaves_moves_each_bucket_once(batch):
   # muon needs whole leaves: each device owns some, under a switch on its index; the
   # same reduce-scatter and all-gather per bucket move them, and no other collective

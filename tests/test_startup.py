@@ -34,7 +34,7 @@ def probes(monkeypatch):
   """The probe runs (calls of `_probe._verdict`), counted from an empty cache."""
   calls = []
   verdict = _probe._verdict
-  monkeypatch.setattr(_probe, "_VERDICTS", _probe._Verdicts())
+  monkeypatch.setattr(_probe, "_VERDICTS", _probe.Recent(_probe._MAX_VERDICTS))
   monkeypatch.setattr(_probe, "_verdict", lambda *a: calls.append(a[2:]) or verdict(*a))
   return calls
 
@@ -66,7 +66,7 @@ def test_refusals_are_kept_and_still_raised(probes):
 
 
 def test_the_cache_is_bounded(probes, monkeypatch):
-  monkeypatch.setattr(_probe, "_MAX_VERDICTS", 2)
+  monkeypatch.setattr(_probe._VERDICTS, "limit", 2)
   txs = [optax.sgd(0.1) for _ in range(3)]
   for tx in txs + txs[-1:]:
     jpack.optax.flat(tx).init(params0())

@@ -452,6 +452,49 @@ class Report:
     self.write_json(args.json)
 
 
+def merged(earlier: dict[str, Any], now: dict[str, Any], name: str, row_order: list[str],
+           table_order: list[str]) -> dict[str, Any]:
+  """``now``'s JSON with ``earlier``'s results kept where ``now`` has none: the tables
+  of the workloads (``values[name]`` of their rows) it did not run, and in those it did,
+  the rows of the variants (``values["key"]``) it did not run. Rows follow
+  ``row_order`` and tables ``table_order``; both runs' commands are listed."""
+  def table_name(table):
+    return table["rows"][0]["values"].get(name) if table["rows"] else None
+
+  def row_key(row):
+    v = row["values"]
+    return v.get("key"), v.get("goal")
+
+  order = {key: i for i, key in enumerate(row_order)}
+  fresh = {(table_name(t), tuple(t["columns"])): t for t in now["tables"]}
+  tables = []
+  for old in earlier["tables"]:
+    new = fresh.pop((table_name(old), tuple(old["columns"])), None)
+    if new is not None:
+      rows = {row_key(r): r for r in old["rows"]} | {row_key(r): r for r in new["rows"]}
+      new = {**new, "rows": sorted(rows.values(),
+                                   key=lambda r: order.get(row_key(r)[0], len(order)))}
+    tables.append(new or old)
+  tables += fresh.values()
+  by_name = {n: i for i, n in enumerate(table_order)}
+  tables.sort(key=lambda t: by_name.get(table_name(t), len(by_name)))  # stable
+  commands = earlier.get("commands", [earlier["command"]])
+  return {**now, "tables": tables, "commands": [*commands, now["command"]]}
+
+
+def add_update_arg(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--update", action="store_true",
+                      help="keep the results of the --json file that this run does not "
+                           "measure again (other workloads, other variants)")
+
+
+def earlier_results(args: argparse.Namespace) -> dict[str, Any] | None:
+  """The --json file's results, with --update and if it exists."""
+  if not (getattr(args, "update", False) and args.json and pathlib.Path(args.json).is_file()):
+    return None
+  return json.loads(pathlib.Path(args.json).read_text())
+
+
 def _finite(x: Any) -> Any:
   """``x`` with NaN and infinities as None (JSON has no such numbers) and numpy scalars
   as Python numbers."""

@@ -25,13 +25,16 @@ table) and 8-way data parallelism:
   allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
   packed_bf16_params, sharded_bf16_params    ``param_dtype=jnp.bfloat16`` (f32 masters)
   packed_acc4, sharded_acc4     ``accumulate=4``
-  sharded_lamb  ZeRO-1 with ``optax.lamb``: its trust ratio needs whole leaves, so each
-                device owns some, every shard padded to the fullest (args show it)
+  sharded_lamb  ZeRO-1 with ``optax.lamb``: its trust ratio computed leaf by leaf on
+                each device's slices (one more small psum)
+  sharded_adafactor    ZeRO-1 with ``optax.adafactor``: its factored moments need whole
+                leaves, so each device owns some, every shard padded to the fullest
+                (args show it)
 
 "removed" is the share of per-leaf's kernels (and HBM bytes) above the floor that a
 variant does not have: 100 % is the floor itself, 0 % is per-leaf, below 0 is worse.
 Not given for accumulate=4 (four forward and backward passes), bf16 params (half the
-bytes) or lamb (another optimizer).
+bytes), lamb or adafactor (other optimizers).
 
   python -m benchmarks gpu_compile                         # every workload, every variant
   python -m benchmarks gpu_compile --workloads gpt2_small --variants per_leaf,packed
@@ -51,7 +54,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -89,7 +91,8 @@ VARIANTS = {
     "sharded_bf16_params": "jpack sharded, bf16 params",
     "packed_acc4": "jpack packed, accumulate=4",
     "sharded_acc4": "jpack sharded, accumulate=4",
-    "sharded_lamb": "jpack sharded, lamb (owned leaves)",
+    "sharded_lamb": "jpack sharded, lamb (trust ratio leaf by leaf)",
+    "sharded_adafactor": "jpack sharded, adafactor (owned leaves)",
 }
 JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
          "sharded": dict(mode="sharded"),
@@ -97,13 +100,14 @@ JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
          "sharded_bf16_params": dict(mode="sharded", param_dtype=jnp.bfloat16),
          "packed_acc4": dict(mode="packed", accumulate=4),
          "sharded_acc4": dict(mode="sharded", accumulate=4),
-         "sharded_lamb": dict(mode="sharded")}
+         "sharded_lamb": dict(mode="sharded"), "sharded_adafactor": dict(mode="sharded")}
 # Every variant runs adamw but these.
-OPTIMIZERS = {"sharded_lamb": lambda: optax.lamb(LEARNING_RATE)}
+OPTIMIZERS = {"sharded_lamb": lambda: optax.lamb(LEARNING_RATE),
+              "sharded_adafactor": lambda: optax.adafactor(LEARNING_RATE)}
 # Shares of per-leaf's overhead compare steps of the same params, rows and optimizer
-# only: not accumulation (four passes), bf16 params (half the bytes) or lamb.
+# only: not accumulation (four passes), bf16 params (half the bytes), lamb or adafactor.
 UNCOMPARED = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16_params",
-                "sharded_lamb")
+              "sharded_lamb", "sharded_adafactor")
 # Collectives this small are the loss's and the norm's scalars, not a bucket's.
 BUCKET_MIN_BYTES = 1024
 # The goals jpack's default and ZeRO-1 modes are held to on every workload.
@@ -313,9 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                            "(params, loss_fn, one device's batch)")
   parser.add_argument("--quick", action="store_true",
                       help="gpt2_small only, the floor, per-leaf and the three modes")
-  parser.add_argument("--update", action="store_true",
-                      help="keep the results of the --json file that this run does not "
-                           "compile again (other workloads, other variants)")
+  c.add_update_arg(parser)
   c.add_output_args(parser, "gpu_compile")
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   workloads = ["gpt2_small"] if args.quick else args.workloads.split(",")
@@ -332,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.model:
     run_workload(args.model, variants, report, user_model(args.model))
     report.write(args)
-  earlier = json.loads(pathlib.Path(args.json).read_text()) if (
-      args.update and args.json and pathlib.Path(args.json).is_file()) else None
+  earlier = c.earlier_results(args)
   for name in [] if args.model else workloads:
     run_workload(name, variants, report)
     # After every workload: a long run keeps what it has.
@@ -343,31 +344,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def merged(earlier: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-  """``now``'s JSON with ``earlier``'s results kept where ``now`` has none: the tables of
-  the workloads it did not compile, and in those it did, the rows of the variants it did
-  not compile (in the order of `VARIANTS`). Both runs' commands are listed."""
-  def workload(table):
-    return table["rows"][0]["values"].get("workload") if table["rows"] else None
-
-  def row_key(row):
-    v = row["values"]
-    return v.get("key"), v.get("goal")
-
-  order = {name: i for i, name in enumerate(VARIANTS)}
-  fresh = {(workload(t), tuple(t["columns"])): t for t in now["tables"]}
-  tables = []
-  for old in earlier["tables"]:
-    new = fresh.pop((workload(old), tuple(old["columns"])), None)
-    if new is not None:
-      rows = {row_key(r): r for r in old["rows"]} | {row_key(r): r for r in new["rows"]}
-      new = {**new, "rows": sorted(rows.values(),
-                                   key=lambda r: order.get(row_key(r)[0], len(order)))}
-    tables.append(new or old)
-  tables += fresh.values()
-  by_workload = {name: i for i, name in enumerate(models.FULL_SIZE)}
-  tables.sort(key=lambda t: by_workload.get(workload(t), len(by_workload)))  # stable
-  commands = earlier.get("commands", [earlier["command"]])
-  return {**now, "tables": tables, "commands": [*commands, now["command"]]}
+  """``now``'s JSON with ``earlier``'s results kept where ``now`` has none (`c.merged`),
+  variants in the order of `VARIANTS`, workloads in that of `models.FULL_SIZE`."""
+  return c.merged(earlier, now, "workload", list(VARIANTS), list(models.FULL_SIZE))
 
 
 if __name__ == "__main__":

@@ -75,13 +75,14 @@ GPT-2's optimizers (on ``gpt2_12x64`` by default), each against per-leaf optax w
 same optimizer (speed-up and max |Δp| are against that row):
 
   adamw(mask=)  ``optax.adamw(lr, weight_decay=0.1, mask=<matrices and embeddings>)``:
-                per-leaf; ``mode="packed"`` (the masked decay runs on the leaves);
-                ``mode="sharded"`` (it runs on each device's own whole leaves); and
-                ``mode="sharded"`` with ``labels=`` and {decay: adamw, no_decay: adam}
+                per-leaf; ``mode="packed"`` and ``mode="sharded"`` (the mask computed
+                leaf by leaf on the buckets and slices); and ``mode="sharded"`` with
+                ``labels=`` and {decay: adamw, no_decay: adam}
   lamb, muon    ``optax.lamb``, ``optax.contrib.muon``: per-leaf, ``mode="packed"``
-                (the parts that need whole leaves run on them) and ``mode="sharded"``
-                (they run on each device's own whole leaves). A variant that
-                data_parallel refuses (a TypeError) is shown as a "refused" row
+                and ``mode="sharded"``: lamb's trust ratio computed leaf by leaf on the
+                buckets and slices, muon on the leaves (packed) or on each device's own
+                whole leaves (sharded). A variant that data_parallel refuses (a
+                TypeError) is shown as a "refused" row
 
 And bounds, which are not adam steps:
 
@@ -1043,6 +1044,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--solo-bytes", type=int, default=None,
                       help="jpack.plan solo_bytes (default: jpack's, 1 MiB; 0 = None)")
   c.add_output_args(parser, "step")
+  c.add_update_arg(parser)
   return parser
 
 
@@ -1174,7 +1176,11 @@ def main(argv: list[str] | None = None) -> int:
               f"step time: MultiSteps all-reduces every gradient leaf on every micro-step, "
               f"jpack reduces the accumulated buckets once per step (ZeRO-2: reduce-scatters "
               f"them every micro-step into a 1/N accumulator).")
-  report.write(args)
+  report.write_markdown(args.markdown)
+  earlier = c.earlier_results(args)
+  report.write_json(args.json, None if earlier is None else c.merged(
+      earlier, report.json(), "model", list(VARIANTS),
+      list(dict.fromkeys([*DEFAULT_MODELS, *MODELS]))))
   return 0
 
 

@@ -154,8 +154,11 @@ def chain_parts(tx: Any) -> tuple[optax.GradientTransformationExtraArgs, ...] | 
 
 
 def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | None],
-           leaves: Callable[[Any, Layout], optax.GradientTransformationExtraArgs] | None = None
-           ) -> tuple[optax.GradientTransformationExtraArgs, tuple[str, ...], bool]:
+           leaves: Callable[[Any, Layout], optax.GradientTransformationExtraArgs] | None = None,
+           by_leaf: Callable[[Any], optax.GradientTransformationExtraArgs | None] = (
+               lambda tx: None),
+           ) -> tuple[optax.GradientTransformationExtraArgs, tuple[str, ...], bool,
+                      tuple[str, ...]]:
   """``inner`` as one transformation over the tuple of buckets, with the parts that
   buckets would change running on the leaves.
 
@@ -167,39 +170,50 @@ def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | Non
     leaves: ``leaves(tx, layout)`` runs ``tx`` on the leaves, taking and returning
       tuples of buckets; default `on_leaves` (the whole params tree). ZeRO-1 passes
       `jpack._owned.on_owned` (each device's own leaves, from its shards).
+    by_leaf: ``by_leaf(tx)`` is ``tx`` computed on the buckets leaf by leaf
+      (`jpack._leafwise.on_buckets`: a trust ratio, a static mask), or None.
 
   Returns:
-    ``(tx, on_leaves, whole)``: ``tx`` takes and returns tuples of buckets, and its
-    state is ``inner``'s (an `optax.chain`'s tuple of states, each part's on buckets or
-    on the params tree); ``on_leaves`` names the transformations that buckets would
-    change (empty: all of ``inner`` runs on buckets); ``whole``: all of ``inner`` runs
-    on the leaves.
+    ``(tx, on_leaves, whole, by_leaf)``: ``tx`` takes and returns tuples of buckets,
+    and its state is ``inner``'s (an `optax.chain`'s tuple of states, each part's on
+    buckets or on the params tree); ``on_leaves`` names the transformations that
+    buckets would change (empty: all of ``inner`` runs on buckets); ``whole``: all of
+    ``inner`` runs on the leaves; ``by_leaf`` names those computed leaf by leaf on the
+    buckets instead.
   """
   culprit = needs_leaves(inner)
   if culprit is None:
-    return labelled(inner, layout), (), False
+    return labelled(inner, layout), (), False, ()
   run = leaves or on_leaves
   if isinstance(inner, Mapping):  # each leaf's transformation, by the labels
     return run(multi_transform(dict(inner), leaf_labels(inner, layout)), layout), (
-        culprit,), True
+        culprit,), True, ()
+  swapped = by_leaf(inner)
+  if swapped is not None:
+    return swapped, (), False, (culprit,)
   parts = chain_parts(inner)
   if parts is None:
-    return run(inner, layout), (culprit,), True
-  steps, names = [], []
+    return run(inner, layout), (culprit,), True, ()
+  steps, names, computed = [], [], []
   for part in parts:
     found = needs_leaves(part)
-    if found is not None and chain_parts(part) is None:
+    swapped = None if found is None else by_leaf(part)
+    if swapped is not None:
+      steps.append((swapped, False))
+      computed.append(found)
+    elif found is not None and chain_parts(part) is None:
       # Whole on the leaves: on the params tree it takes the tree itself, so
       # consecutive such parts pass it on without packing in between.
       steps.append((part, True) if leaves is None else (leaves(part, layout), False))
       names.append(found)
     else:
-      tx, inside, _ = placed(part, layout, needs_leaves, leaves)
+      tx, inside, _, inside_computed = placed(part, layout, needs_leaves, leaves, by_leaf)
       steps.append((tx, False))
       names += inside
-  if not names:  # each part passes, the whole does not: no split to trust
-    return run(inner, layout), (culprit,), True
-  return in_turn(steps, layout), tuple(names), False
+      computed += inside_computed
+  if not names and not computed:  # each part passes, the whole does not: no split to trust
+    return run(inner, layout), (culprit,), True, ()
+  return in_turn(steps, layout), tuple(names), False, tuple(computed)
 
 
 def leaf_labels(inner: Mapping[Any, Any], layout: Layout) -> Any:

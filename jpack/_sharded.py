@@ -24,6 +24,7 @@ from jpack._internal import sum_of_squares
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed
 from jpack._layout import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_LEAVES, Layout,
                            check_plan_options, plan, shard_of, whole_leaf_shards)
+from jpack._leafwise import on_buckets
 from jpack._owned import on_owned
 from jpack._pack import Packed, pack
 from jpack._probe import checker, described
@@ -257,12 +258,17 @@ def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, 
         unit = True
       return on_owned(tx, lay, axis_name, unit)
 
-    return placed(inner, layout, needs_leaves, leaves=leaves)
+    return placed(inner, layout, needs_leaves, leaves=leaves,
+                  by_leaf=lambda tx: on_buckets(tx, layout, axis_name, needs_leaves))
 
   def arrange(layout: Layout) -> tuple[Layout, optax.GradientTransformationExtraArgs]:
     if layout in arranged:
       return arranged[layout]
-    tx, on_leaves, whole = place(layout)
+    tx, on_leaves, whole, computed = place(layout)
+    if computed and log:
+      logger.info("jpack.optax.sharded (layout %s): %s on each device's slices, leaf by "
+                  "leaf", layout.fingerprint,
+                  ", ".join(dict.fromkeys(computed)))
     final = layout
     if on_leaves and any(shard_of(layout, s) is None for s in layout.slots):
       final = whole_leaf_shards(

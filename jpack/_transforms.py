@@ -18,6 +18,7 @@ from jpack import _cpu as cpu
 from jpack._collectives import all_gather, axis_size, pmean, psum, reduce_scatter
 from jpack._internal import sum_of_squares
 from jpack._layout import Layout, check_plan_options, plan, retyped
+from jpack._leafwise import on_buckets
 from jpack._pack import Packed, pack, unpack
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
@@ -353,7 +354,12 @@ def placement(inner: Inner, where: str
         checks[key] = checker(tx, on="buckets", where=where)
       return checks[key](layout)
 
-    tx, on_leaves, whole = placed(inner, layout, needs_leaves)
+    tx, on_leaves, whole, computed = placed(
+        inner, layout, needs_leaves,
+        by_leaf=lambda tx: on_buckets(tx, layout, None, needs_leaves))
+    if computed:
+      logger.info("jpack.optax.flat (layout %s): %s on the buckets, leaf by leaf",
+                  layout.fingerprint, ", ".join(dict.fromkeys(computed)))
     if on_leaves:
       _check_on_leaves(tx, inner, layout, where)
       differ = ", ".join(dict.fromkeys(on_leaves))

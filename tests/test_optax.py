@@ -167,11 +167,12 @@ SAID_ONLY = "said only"
 
 
 @pytest.mark.parametrize("inner,culprit,labels", [
-    (lambda: optax.lamb(1e-3), "scale_by_trust_ratio on the leaves", SAID_ONLY),
+    (lambda: optax.lamb(1e-3), "scale_by_trust_ratio on the buckets, leaf by leaf",
+     SAID_ONLY),
     (lambda: optax.adafactor(1e-3), "scale_by_factored_rms", SAID_ONLY),
     (lambda: optax.novograd(1e-3), "scale_by_novograd", None),
     (lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-     "optax.masked on the leaves", SAID_ONLY),
+     "optax.masked on the buckets, leaf by leaf", SAID_ONLY),
     (lambda: {"a": optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1))},
      "The optimizer runs on the leaves (optax.clip_by_block_rms", ONE),
     # MultiSteps hands out bound methods of an object that holds the optimizer, and
@@ -186,15 +187,16 @@ SAID_ONLY = "said only"
     (lambda: optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=1e-2, weight_decay=1e-4,
         mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)), "masked", "once"),
-    # A mask given as a tree of the params: the probe's miniature cannot take it.
+    # A mask given as a tree of the params: static flags, computed on the buckets.
     (lambda: optax.masked(optax.adam(1e-3), {"dense": {"w": True, "b": False},
                                              "norm": {"scale": False}, "emb": True}),
-     "runs on the leaves (optax.masked", None),
+     "optax.masked on the buckets, leaf by leaf", None),
 ])
-def test_flat_runs_what_needs_whole_leaves_on_the_leaves_like_optax(caplog, inner, culprit,
+def test_flat_runs_what_needs_whole_leaves_per_leaf_like_optax(caplog, inner, culprit,
                                                                     labels):
   # On 1-D buckets an ndim-based mask would see no matrix at all (no weight decay, no
-  # error), and per-leaf norms would be per-bucket norms: these run on the leaves.
+  # error), and per-leaf norms would be per-bucket norms: these run on the leaves, or
+  # leaf by leaf on the buckets (a trust ratio, a static mask).
   scans = labels != "once"  # its bf16 moments turn float32 (optax's own behaviour)
   compare = labels != SAID_ONLY
   labels = labels if scans and compare else None

@@ -1,10 +1,11 @@
 """Optimizers that need whole leaves, in every mode.
 
 `jpack.optax.flat` (and so ``data_parallel(mode="packed")``) runs a transformation that
-buckets would change on the params tree instead, and only that part of an `optax.chain`.
-Each target here must match plain optax on one device, on the same tree, over several
-steps. ZeRO-1 (``mode="sharded"``) runs them on each device's own whole leaves, and must
-match too.
+buckets would change on the params tree instead, and only that part of an `optax.chain`;
+a trust ratio or a static mask is computed leaf by leaf on the buckets. Each target here
+must match plain optax on one device, on the same tree, over several steps. ZeRO-1
+(``mode="sharded"``) runs them leaf by leaf on its slices or on each device's own whole
+leaves, and must match too.
 """
 
 import logging
@@ -92,11 +93,11 @@ def test_flat_matches_optax(name):
 
 # data_parallel's packed mode runs jpack.optax.flat, which test_flat_matches_optax checks
 # on every target: here the step around it, with a mask (a function, a tree) and with
-# muon. ZeRO-1 runs what slices would change on each device's own whole leaves: every
-# target but the tree mask (refused, below).
+# muon. ZeRO-1 runs what slices would change leaf by leaf on the slices (the masks,
+# lamb's trust ratio) or on each device's own whole leaves: every target.
 @pytest.mark.parametrize("mode,name", [
     *(("packed", n) for n in ["adamw(mask=fn)", "adamw(mask=tree)", "muon"]),
-    *(("sharded", n) for n in sorted(set(TARGETS) - {"adamw(mask=tree)"}))])
+    *(("sharded", n) for n in sorted(TARGETS))])
 def test_data_parallel_matches_optax(mode, name):
   make = TARGETS[name]
   dp = jpack.data_parallel(loss_fn, make(), params0(), mode=mode)
@@ -106,23 +107,16 @@ def test_data_parallel_matches_optax(mode, name):
   assert_close(dp.params(state), optax_on_one_device(make()))
 
 
-def test_data_parallel_sharded_refuses_a_mask_given_as_a_tree_and_says_why():
-  # Owned leaves are checked on a miniature of the params, which a tree mask does not fit.
-  with pytest.raises(TypeError, match=r"cannot run inside data_parallel's optimizer "
-                                      r"\(mode='sharded'\).*mode='packed'.*mask=lambda params"):
-    jpack.data_parallel(loss_fn, TARGETS["adamw(mask=tree)"](), params0(), mode="sharded")
-
-
-def test_adamw_mask_keeps_adam_on_buckets_and_says_what_runs_on_the_leaves(caplog):
+def test_adamw_mask_keeps_adam_and_the_mask_on_buckets_and_says_so(caplog):
   tx = jpack.optax.flat(TARGETS["adamw(mask=fn)"]())
   with caplog.at_level(logging.INFO, logger="jpack"):
     state = tx.init(params0())
     jax.jit(tx.init)(params0())  # traced again: said once
   said = [r.getMessage() for r in caplog.records if r.name == "jpack"]
-  assert len(said) == 1 and "optax.masked on the leaves" in said[0], said
+  assert len(said) == 1 and "optax.masked on the buckets, leaf by leaf" in said[0], said
   adam, decay, lr = state.inner_state
   assert isinstance(adam.mu, tuple) and len(adam.mu) == len(state.layout.buckets)
-  assert type(decay).__name__ == "MaskedState"  # optax.masked, run on the tree
+  assert type(decay).__name__ == "MaskedState"  # optax.masked's state, over the buckets
   assert lr == optax.EmptyState()
 
 

@@ -116,8 +116,11 @@ def test_transforms_that_need_whole_leaves_run_on_owned_leaves_like_optax(name):
   make, tol = OWNED[name], 1e-5
   if name == "clip, lamb":  # the reference clips by the whole gradient's norm
     make = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.lamb(1e-2))  # noqa: E731
-    # The norm is summed in another order, and adam amplifies that last bit on small
-    # gradients: chain(clip, adam), all on slices, differs from optax by as much.
+  if "lamb" in name:
+    # A norm (the clip's, the trust ratio's) is summed in another order, and adam
+    # amplifies that last bit on small gradients over the ten steps: chain(clip, adam),
+    # all on slices, differs from optax by as much. One step agrees within 1e-6
+    # (tests/test_leafwise.py).
     tol = 2e-4
   assert_trees_close(got, run(make(), 10, reduce=per_leaf_pmean), tol=tol)
 
@@ -128,9 +131,10 @@ def test_owned_leaves_keep_about_one_nth_of_the_state():
   params = {f"w{i:02d}": jnp.asarray(rng.normal(size=(32, 32)), jnp.float32) for i in range(16)}
   params["b"] = jnp.zeros(32, jnp.float32)
   mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
-  tx = jpack.optax.sharded(optax.lamb(1e-3), "batch", align_bytes=16)
+  tx = jpack.optax.sharded(optax.contrib.muon(1e-3), "batch", align_bytes=16)
   state = init_sharded(tx, params, n)  # one device's state
-  full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(optax.lamb(1e-3).init(params)))
+  full = sum(x.size * x.dtype.itemsize
+             for x in jax.tree.leaves(optax.contrib.muon(1e-3).init(params)))
   per_device = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   assert per_device <= 1.1 * full / n, (per_device, full)
   # The reduce-scatter hands each device whole leaves: no leaf crosses a shard.
@@ -455,7 +459,7 @@ def test_init_warns_when_owned_leaves_pad_the_buckets_beyond_twice_the_leaves(
   sizes = [4096] + [64] * 7 if dominant else [512] * 8
   params = {f"w{i}": jnp.ones((n, 4), jnp.float32) for i, n in enumerate(sizes)}
   with caplog.at_level(logging.INFO, logger="jpack"):
-    init_sharded(jpack.optax.sharded(optax.lamb(1e-2), "batch"), params, n=8)
+    init_sharded(jpack.optax.sharded(optax.contrib.muon(1e-2), "batch"), params, n=8)
   records = [r for r in caplog.records if r.name == "jpack" and "own whole leaves" in
              r.getMessage()]
   assert len(records) == 1, [r.getMessage() for r in records]

@@ -1,0 +1,232 @@
+"""Per-leaf transformations computed on buckets: lamb's trust ratio and weight-decay masks.
+
+Two parts of the optimizers users bring first read each leaf as a whole, yet need only
+one number per leaf: `optax.scale_by_trust_ratio` (in lamb, lars, fromage) scales each
+leaf's update by the ratio of two norms, and `optax.masked` (``adamw(mask=...)``,
+``lamb(mask=...)``) selects per leaf. On buckets they need no unpacking: a leaf's norm is
+a sum over its range of the bucket, and a per-leaf value is spread back over that range.
+On ZeRO-1's slices the sums are partial: one small ``psum`` of every leaf's sums over
+the devices completes them, so each device keeps 1/N of every bucket and owns no leaf.
+
+The ranges come from the static `Layout`. Leaf offsets are aligned, so every block of
+``align`` elements lies in one leaf's range (and the gap after it): the bucket is summed
+block by block, and a block's leaf is the number of leaf starts at or before it. A
+device's slice starts at ``axis_index * slice length``, so the same program serves every
+device.
+
+`on_buckets` recognises these transformations as optax builds them (by their update
+function's code, as `jpack._labels.chain_parts` recognises a chain), and returns None for
+anything else.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jpack._layout import Bucket, Layout
+
+# The code of the update functions recognised, from instances built here.
+_EXTRA_ARGS_CODE = optax.with_extra_args_support(
+    optax.GradientTransformation(lambda p: None, lambda u, s, p=None: (u, s))).update.__code__
+_TRUST_RATIO_CODE = optax.scale_by_trust_ratio().update.__code__
+_MASKED_CODE = optax.masked(optax.identity(), lambda p: p).update.__code__
+
+
+def on_buckets(tx: Any, layout: Layout, axis_name: Any,
+               needs_leaves: Callable[[Any], str | None]
+               ) -> optax.GradientTransformationExtraArgs | None:
+  """``tx`` computed on the buckets of ``layout`` (or, with ``axis_name``, on this
+  device's slices of them), if it is `optax.scale_by_trust_ratio`, or `optax.masked` of
+  a transformation that runs on buckets with a mask that is static per leaf; else None.
+
+  Args:
+    tx: a transformation (a part of a chain, as `jpack._labels.chain_parts` gives it).
+    layout: the buckets' layout.
+    axis_name: the axis the buckets are sliced over (ZeRO-1), or None for whole buckets.
+    needs_leaves: the probe: None when a transformation computes the same on buckets
+      (the masked transformation must, or be one of these itself).
+
+  Returns:
+    A transformation taking and returning tuples of buckets (or slices), whose state is
+    ``tx``'s (`optax.MaskedState` over the inner state on buckets), or None.
+  """
+  if not all(jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets):
+    return None
+  tx = _unwrapped(tx)
+  code = getattr(getattr(tx, "update", None), "__code__", None)
+  if code is _TRUST_RATIO_CODE:
+    found = _closure(tx.update, ("min_norm", "trust_coefficient", "eps"))
+    return None if found is None else trust_ratio(layout, axis_name, *found)
+  if code is _MASKED_CODE:
+    found = _closure(tx.update, ("inner", "mask"))
+    if found is None:
+      return None
+    inner, mask = found
+    flags = static_mask(mask, layout)
+    if flags is None:
+      return None
+    swapped = on_buckets(inner, layout, axis_name, needs_leaves)
+    if swapped is None and needs_leaves(inner) is not None:
+      return None
+    return masked(swapped or optax.with_extra_args_support(inner), flags, layout, axis_name)
+  return None
+
+
+def _unwrapped(tx: Any) -> Any:
+  """``tx`` without `optax.with_extra_args_support`'s wrapper (an `optax.chain` wraps
+  each plain transformation it holds)."""
+  update = getattr(tx, "update", None)
+  if getattr(update, "__code__", None) is _EXTRA_ARGS_CODE:
+    inner = _closure(update, ("tx",))
+    if inner is not None:
+      return inner[0]
+  return tx
+
+
+def _closure(fn: Callable[..., Any], names: tuple[str, ...]) -> tuple[Any, ...] | None:
+  try:
+    found = inspect.getclosurevars(fn).nonlocals
+  except (TypeError, ValueError):
+    return None
+  if not all(name in found for name in names):  # another optax: left to the probe
+    return None
+  return tuple(found[name] for name in names)
+
+
+def static_mask(mask: Any, layout: Layout) -> tuple[bool, ...] | None:
+  """Each leaf's flag from an `optax.masked` mask (a tree like the params or a prefix of
+  it, or a function of the params), if it is a Python or numpy bool per leaf without
+  reading any value: the function is called on shapes (`jax.ShapeDtypeStruct`). None
+  when it is not (a mask computed from values is left to the probe)."""
+  stand_ins = layout.treedef.unflatten(
+      [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots])
+  try:
+    tree = mask(stand_ins) if callable(mask) else mask
+    tree = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), tree, stand_ins)
+    flags = layout.treedef.flatten_up_to(tree)
+  except Exception:  # noqa: BLE001 - not static: the probe decides
+    return None
+  if not all(isinstance(f, (bool, np.bool_)) for f in flags):
+    return None
+  return tuple(bool(f) for f in flags)
+
+
+# -- per-leaf ranges of a bucket ----------------------------------------------------------
+
+
+class _Ranges:
+  """Where the leaves of one bucket lie in the blocks of a slice of it."""
+
+  def __init__(self, layout: Layout, bucket: Bucket, length: int, axis_name: Any):
+    self.block = max(1, layout.align_bytes // bucket.dtype.itemsize)
+    slots = [layout.slots[j] for j in bucket.slots]
+    self.count = len(slots)
+    self.length = length
+    self.starts = np.array([s.offset for s in slots], np.int64)
+    self.ends = np.array([s.offset + s.size for s in slots], np.int64)
+    first = 0 if axis_name is None else lax.axis_index(axis_name) * length
+    blocks = length // self.block
+    self.first = jnp.asarray(first, jnp.int32)
+    position = self.first + lax.iota(jnp.int32, blocks) * self.block
+    if self.count == 1:
+      self.leaf = jnp.zeros((blocks,), jnp.int32)
+    else:  # a block's leaf: how many leaves (after the first) start at or before it
+      starts = jnp.asarray(self.starts[1:], jnp.int32)
+      self.leaf = jnp.sum(position[:, None] >= starts[None, :], axis=1, dtype=jnp.int32)
+
+  def blocks(self, x: jax.Array) -> jax.Array:
+    return x.reshape(-1, self.block)
+
+  def spread(self, values: jax.Array) -> jax.Array:
+    """Per element of the slice: its leaf's entry of ``values`` (one per leaf)."""
+    per_block = values[0] if self.count == 1 else jnp.take(values, self.leaf)
+    shape = (self.length // self.block, self.block)
+    return jnp.broadcast_to(jnp.reshape(per_block, (-1, 1)) if self.count > 1
+                            else per_block, shape).reshape(-1)
+
+  def sums_of_squares(self, x: jax.Array) -> jax.Array:
+    """Each leaf's sum of squares over its range in the slice (in at least f32); the
+    gaps between leaves are left out, whatever they hold."""
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    index = self.first + lax.iota(jnp.int32, self.length)
+    end = self.spread(jnp.asarray(self.ends, jnp.int32))
+    squares = jnp.where(index < end, wide * wide, 0)
+    per_block = jnp.sum(self.blocks(squares), axis=1)
+    if self.count == 1:
+      return jnp.sum(per_block)[None]
+    return jax.ops.segment_sum(per_block, self.leaf, num_segments=self.count,
+                               indices_are_sorted=True)
+
+
+def trust_ratio(layout: Layout, axis_name: Any, min_norm: Any = 0.0,
+                trust_coefficient: Any = 1.0, eps: Any = 0.0
+                ) -> optax.GradientTransformationExtraArgs:
+  """`optax.scale_by_trust_ratio` on the buckets of ``layout`` (or this device's
+  slices of them, with ``axis_name``): each leaf's norms from its range, psum'd over
+  ``axis_name`` (one small collective for every bucket together)."""
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("optax.scale_by_trust_ratio needs the params: pass them to "
+                       "update (optax.apply_updates' params, or the buckets').")
+    ranges = [_Ranges(layout, b, u.shape[0], axis_name)
+              for b, u in zip(layout.buckets, updates)]
+    sums = [jnp.stack([r.sums_of_squares(p), r.sums_of_squares(u)])
+            for r, u, p in zip(ranges, updates, params)]
+    widest = jnp.result_type(*(s.dtype for s in sums))
+    total = jnp.concatenate([s.astype(widest) for s in sums], axis=1)
+    if axis_name is not None:
+      total = lax.psum(total, axis_name)
+    out, at = [], 0
+    for r, u, p in zip(ranges, updates, params):
+      dtype = jnp.result_type(u.dtype, p.dtype)
+      param_norm, update_norm = (
+          _safe(jnp.sqrt(total[i, at:at + r.count]).astype(d), min_norm)
+          for i, d in ((0, p.dtype), (1, u.dtype)))
+      at += r.count
+      ratio = trust_coefficient * param_norm / (update_norm + eps)
+      ratio = jnp.where((param_norm == 0.0) | (update_norm == 0.0),
+                        jnp.ones((), p.dtype), ratio)
+      out.append(u * r.spread(ratio.astype(dtype)))
+    return tuple(out), state
+
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def _safe(norm: jax.Array, min_norm: Any) -> jax.Array:
+  """`optax.safe_norm`'s value: the norm, or ``min_norm`` where it is no larger."""
+  return jnp.where(norm <= min_norm, jnp.asarray(min_norm, norm.dtype), norm)
+
+
+def masked(inner: optax.GradientTransformationExtraArgs, flags: tuple[bool, ...],
+           layout: Layout, axis_name: Any) -> optax.GradientTransformationExtraArgs:
+  """`optax.masked` with one flag per leaf, on the buckets of ``layout`` (or this
+  device's slices of them): ``inner`` runs on every bucket, and each element takes its
+  result where its leaf's flag is True and the incoming update elsewhere. ``inner``
+  must compute per element (or be `trust_ratio`), so that what it computes for the
+  leaves left out changes nothing else."""
+  per_bucket = [np.array([flags[j] for j in b.slots] or [False]) for b in layout.buckets]
+
+  def init_fn(params):
+    return optax.MaskedState(inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    out = []
+    for bucket, on, u, v in zip(layout.buckets, per_bucket, updates, new):
+      if on.all() or not on.any():
+        out.append(v if on.all() else u)
+        continue
+      keep = _Ranges(layout, bucket, u.shape[0], axis_name).spread(jnp.asarray(on))
+      out.append(jnp.where(keep, v, u))
+    return tuple(out), optax.MaskedState(inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

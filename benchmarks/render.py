@@ -253,6 +253,41 @@ def render_readme(results: Results) -> str:
   return "\n\n".join([markdown_table(columns, out), note, machine_line(doc)])
 
 
+# The real architectures, and the modes the README's "skip it when" shows on them.
+REAL_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow")
+REAL_MODEL_LABELS = {"gpt2_12x64": "GPT-2-like", "vit_12x64": "ViT-like",
+                     "resnet18_narrow": "ResNet-18-like"}
+REAL_MODEL_KEYS = (("packed", '`mode="packed"`'), ("sharded", '`mode="sharded"`'),
+                   ("hand_pmean", "hand-written `jpack.pmean` step"))
+
+
+def render_real_models(results: Results) -> str:
+  """Speed-ups over the per-leaf step on the real architectures (`REAL_MODELS`), with
+  their spread: one row per model, one column per mode (`REAL_MODEL_KEYS`)."""
+  doc = results.get("step")
+  tables = [t for t in (_step_tables(doc) if doc else []) if _model(t) in REAL_MODELS]
+  if not tables:
+    return _missing("step")
+  out = []
+  for model in REAL_MODELS:
+    rows = next((_by_key(t) for t in tables if _model(t) == model), None)
+    if rows is None:
+      continue
+    base = rows.get("per_leaf")
+    cells = []
+    for key, _ in REAL_MODEL_KEYS:
+      row = rows.get(key)
+      ratio = "-" if row is None else _speedup(base, row)
+      cells.append(ratio + (_spread(base, row) if ratio != "-" else ""))
+    out.append([REAL_MODEL_LABELS[model], *cells])
+  columns = ["speed-up over per-leaf", *(label for _, label in REAL_MODEL_KEYS)]
+  return "\n\n".join([markdown_table(columns, out),
+                       "In brackets, the lowest and the highest over the interleaved "
+                       "rounds. The models and their full tables: "
+                       "[docs/performance.md](docs/performance.md#training-step).",
+                       machine_line(doc)])
+
+
 def render_step(results: Results) -> str:
   """Every model of the step run, one table each."""
   doc = results.get("step")
@@ -423,6 +458,7 @@ def _commands(doc: Mapping[str, Any]) -> str:
 
 RENDERERS: dict[str, Callable[[Results], str]] = {
     "readme": render_readme,
+    "real_models": render_real_models,
     "step": render_step,
     "baselines": render_baselines,
     "collectives": render_collectives,

@@ -1155,10 +1155,11 @@ def main(argv: list[str] | None = None) -> int:
   report.text("spread = the lowest and the highest of the block-by-block speed-ups (the "
               "baseline's block time over the variant's in the same round). The rows of "
               "GPT-2's optimizers (adamw(mask=...), lamb, contrib.muon) are compared with "
-              "per-leaf optax with the same optimizer; in mode='sharded', the parts that need "
-              "whole leaves run on each device's own leaves, and opt state/dev shows "
-              "what they keep; refused = jpack.data_parallel raised a TypeError naming "
-              "the transformation.")
+              "per-leaf optax with the same optimizer; the decay mask and lamb's trust "
+              "ratio are computed leaf by leaf on the buckets (slices in mode='sharded'); "
+              "in mode='sharded', muon runs on each device's own whole leaves, and opt "
+              "state/dev shows what they keep; refused = jpack.data_parallel raised a "
+              "TypeError naming the transformation.")
   report.text("bf16 params: params kept and used by the loss in bfloat16, f32 masters in "
               "the optimizer state; the difference from per-leaf's params is bf16 "
               "rounding. params+opt/dev: bytes of params + optimizer state (masters and "

@@ -9,10 +9,10 @@ On ZeRO-1's slices the sums are partial: one small ``psum`` of every leaf's sums
 the devices completes them, so each device keeps 1/N of every bucket and owns no leaf.
 
 The ranges come from the static `Layout`. Leaf offsets are aligned, so every block of
-``align`` elements lies in one leaf's range (and the gap after it): the bucket is summed
-block by block, and a block's leaf is the number of leaf starts at or before it. A
-device's slice starts at ``axis_index * slice length``, so the same program serves every
-device.
+``align`` elements (or more: any size that divides every offset) lies in one leaf's range
+and the gap after it: the bucket is summed block by block, and a static table gives each
+block's leaf. A device's slice starts at ``axis_index * slice length``, and reads its part
+of the table there, so the same program serves every device.
 
 `on_buckets` recognises these transformations as optax builds them (by their update
 function's code, as `jpack._labels.chain_parts` recognises a chain), and returns None for
@@ -22,6 +22,7 @@ anything else.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable
 
 import jax
@@ -122,45 +123,65 @@ def static_mask(mask: Any, layout: Layout) -> tuple[bool, ...] | None:
 
 
 class _Ranges:
-  """Where the leaves of one bucket lie in the blocks of a slice of it."""
+  """Where the leaves of one bucket lie in the blocks of a slice of it (the whole bucket,
+  or this device's slice: ``length`` elements from ``axis_index * length``)."""
 
   def __init__(self, layout: Layout, bucket: Bucket, length: int, axis_name: Any):
-    self.block = max(1, layout.align_bytes // bucket.dtype.itemsize)
-    slots = [layout.slots[j] for j in bucket.slots]
-    self.count = len(slots)
-    self.length = length
-    self.starts = np.array([s.offset for s in slots], np.int64)
-    self.ends = np.array([s.offset + s.size for s in slots], np.int64)
-    first = 0 if axis_name is None else lax.axis_index(axis_name) * length
-    blocks = length // self.block
-    self.first = jnp.asarray(first, jnp.int32)
-    position = self.first + lax.iota(jnp.int32, blocks) * self.block
+    starts = np.array([layout.slots[j].offset for j in bucket.slots], np.int64)
+    ends = starts + [layout.slots[j].size for j in bucket.slots]
+    # A block never crosses a leaf's start: each lies in one leaf's range (or the gap
+    # after it). The largest such block keeps the tables below short.
+    self.block = math.gcd(max(1, layout.align_bytes // bucket.dtype.itemsize), length,
+                          *map(int, starts))
+    self.count, self.length = len(starts), length
     if self.count == 1:
-      self.leaf = jnp.zeros((blocks,), jnp.int32)
-    else:  # a block's leaf: how many leaves (after the first) start at or before it
-      starts = jnp.asarray(self.starts[1:], jnp.int32)
-      self.leaf = jnp.sum(position[:, None] >= starts[None, :], axis=1, dtype=jnp.int32)
+      self.leaf = None
+      self.first = jnp.int32(0) if axis_name is None else lax.axis_index(axis_name) * length
+      self.end = jnp.asarray(ends[0], jnp.int32)
+      return
+    # Per block of the whole bucket: its leaf, and that leaf's end (static tables).
+    leaf = np.searchsorted(starts, np.arange(bucket.size // self.block) * self.block,
+                           side="right") - 1
+    self.tables = leaf.astype(np.int32), ends[leaf].astype(np.int32)
+    self.axis_name = axis_name
+    self.leaf, self.end = (self._mine(t) for t in self.tables)
+    self.first = (jnp.int32(0) if axis_name is None
+                  else lax.axis_index(axis_name) * length)
 
-  def blocks(self, x: jax.Array) -> jax.Array:
-    return x.reshape(-1, self.block)
+  def _mine(self, table: np.ndarray) -> jax.Array:
+    """This slice's part of a per-block table of the whole bucket."""
+    if self.axis_name is None:
+      return jnp.asarray(table)
+    blocks = self.length // self.block
+    return lax.dynamic_slice_in_dim(jnp.asarray(table),
+                                    lax.axis_index(self.axis_name) * blocks, blocks)
+
+  def _per_element(self, per_block: jax.Array) -> jax.Array:
+    shape = (self.length // self.block, self.block)
+    return jnp.broadcast_to(per_block[:, None], shape).reshape(-1)
 
   def spread(self, values: jax.Array) -> jax.Array:
     """Per element of the slice: its leaf's entry of ``values`` (one per leaf)."""
-    per_block = values[0] if self.count == 1 else jnp.take(values, self.leaf)
-    shape = (self.length // self.block, self.block)
-    return jnp.broadcast_to(jnp.reshape(per_block, (-1, 1)) if self.count > 1
-                            else per_block, shape).reshape(-1)
+    if self.count == 1:
+      return jnp.broadcast_to(values[0], (self.length,))
+    return self._per_element(jnp.take(values, self.leaf))
+
+  def spread_static(self, values: np.ndarray) -> jax.Array:
+    """`spread` of values known when tracing (a mask's flags): a table per block."""
+    if self.count == 1:
+      return jnp.broadcast_to(jnp.asarray(values[0]), (self.length,))
+    return self._per_element(self._mine(values[self.tables[0]]))
 
   def sums_of_squares(self, x: jax.Array) -> jax.Array:
     """Each leaf's sum of squares over its range in the slice (in at least f32); the
     gaps between leaves are left out, whatever they hold."""
     wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     index = self.first + lax.iota(jnp.int32, self.length)
-    end = self.spread(jnp.asarray(self.ends, jnp.int32))
+    end = self.end if self.count == 1 else self._per_element(self.end)
     squares = jnp.where(index < end, wide * wide, 0)
-    per_block = jnp.sum(self.blocks(squares), axis=1)
     if self.count == 1:
-      return jnp.sum(per_block)[None]
+      return jnp.sum(squares)[None]
+    per_block = jnp.sum(squares.reshape(-1, self.block), axis=1)
     return jax.ops.segment_sum(per_block, self.leaf, num_segments=self.count,
                                indices_are_sorted=True)
 
@@ -225,7 +246,7 @@ def masked(inner: optax.GradientTransformationExtraArgs, flags: tuple[bool, ...]
       if on.all() or not on.any():
         out.append(v if on.all() else u)
         continue
-      keep = _Ranges(layout, bucket, u.shape[0], axis_name).spread(jnp.asarray(on))
+      keep = _Ranges(layout, bucket, u.shape[0], axis_name).spread_static(on)
       out.append(jnp.where(keep, v, u))
     return tuple(out), optax.MaskedState(inner_state=inner_state)
 

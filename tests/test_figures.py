@@ -61,7 +61,7 @@ def test_rendering_is_idempotent():
 
 def test_the_figures_are_where_they_belong():
   where = {_rel(p): render.blocks(p.read_text()) for p in PAGES}
-  assert where["README.md"] == ["readme"]
+  assert where["README.md"] == ["real_models", "readme"]
   assert where["docs/performance.md"] == ["step", "collectives", "pack", "optimizer",
                                           "checkpoint", "startup"]
   assert where["docs/comparison.md"] == ["baselines"]

@@ -19,9 +19,11 @@ N = 8
 
 @st.composite
 def trees(draw):
-  """A dict of 1-5 f32 leaves (some zero, some empty), the updates for it, and a mask."""
-  shapes = draw(st.lists(st.sampled_from([(3,), (7,), (5, 3), (40, 33), (0,), (2, 3, 4),
-                                          (130,), ()]), min_size=1, max_size=5))
+  """A dict of 1-5 f32 leaves (some zero, some empty, at least one not), the updates for
+  it, and a mask."""
+  shapes = [draw(st.sampled_from([(3,), (7,), (5, 3), (40, 33), (2, 3, 4), (130,)]))]
+  shapes += draw(st.lists(st.sampled_from([(3,), (7,), (5, 3), (40, 33), (0,), (2, 3, 4),
+                                           (130,), ()]), max_size=4))
   rng = np.random.default_rng(draw(st.integers(0, 2**16)))
   zero = draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
   params = {f"p{i}": (np.zeros(s) if z else rng.normal(size=s)).astype(np.float32)

@@ -11,8 +11,9 @@ factored moments, a weight-decay mask) computes something else on buckets. Where
 device holds the whole gradient (`jpack.optax.flat`), `placed` runs it on the leaves
 instead: the buckets are unpacked into the params tree, it runs there as optax runs it,
 and its updates are packed back. An `optax.chain` is split, so that only its parts that
-need the leaves run on them (in ``adamw(mask=...)``, the masked weight decay; adam's
-moments stay on buckets).
+need the leaves run on them (adam's moments stay on buckets). A part that jpack can
+compute leaf by leaf on the buckets (a trust ratio, a static mask: `by_leaf`) stays on
+them too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """ZeRO-1 for transformations that need whole leaves: each device owns whole leaves.
 
-On slices of buckets, lamb's trust ratio, adafactor's factored moments, muon's
-Newton-Schulz iteration or a weight-decay mask would compute something else. With a
+On slices of buckets, adafactor's factored moments, muon's Newton-Schulz iteration or
+sm3's per-dimension statistics would compute something else (a trust ratio or a static
+mask is computed on the slices instead: `jpack._leafwise`). With a
 layout whose shards hold whole leaves (`jpack._layout.whole_leaf_shards`), the
 reduce-scatter hands device k the whole gradients of the leaves in its shard, and the
 all-gather brings their new values to every device, as for any bucket. `on_owned` runs

@@ -91,10 +91,12 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     inner: an optax transformation, or a dict ``{label: transformation}`` with
       ``labels``. Elementwise ones (sgd, momentum, adam, adamw, lion, chains with
       schedules, `jpack.optax.clip_by_global_norm(..., axis_name)`) run on the slices.
-      The parts that need whole leaves (lamb's trust ratio, adafactor, muon, sm3, the
-      mask of ``adamw(mask=...)``) run on each device's own whole leaves, with their
-      state for those leaves only: ``init`` then plans a layout whose shards hold whole
-      leaves (each padded to the fullest), and logs it once (INFO, ``"jpack"`` logger).
+      A trust ratio (lamb's) and a mask that is static per leaf (``adamw(mask=...)``)
+      are computed leaf by leaf on the slices (one small psum of the leaves' norms).
+      The other parts that need whole leaves (adafactor, muon, sm3) run on each
+      device's own whole leaves, with their state for those leaves only: ``init`` then
+      plans a layout whose shards hold whole leaves (each padded to the fullest), and
+      logs it once (INFO, ``"jpack"`` logger).
       ``init`` probes which, on a miniature of the params. What needs more than a
       device's own leaves (``optax.clip_by_global_norm`` without an axis,
       ``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`

@@ -116,9 +116,10 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
       optimizer.
       ``"sharded"``: ZeRO-1, ``jpack.optax.sharded(optimizer, axis_name)`` on packed
       params; each device updates its slice and the new params are all-gathered. The
-      parts of the optimizer that need whole leaves (lamb, adafactor, muon, sm3,
-      ``adamw(mask=...)``) run on each device's own whole leaves, and ``layout`` is
-      then planned so that no leaf crosses a shard.
+      parts of the optimizer that need whole leaves (adafactor, muon, sm3) run on each
+      device's own whole leaves, and ``layout`` is then planned so that no leaf crosses
+      a shard; lamb's trust ratio and a static ``mask=`` are computed leaf by leaf on
+      the slices.
     labels: per-leaf labels (a tree like the params or a prefix of it, or
       ``params -> tree``) choosing
       each leaf's optimizer from the dict ``optimizer``, as in

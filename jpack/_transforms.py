@@ -233,13 +233,14 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
     inner: the transformation to run on the buckets: elementwise ones (sgd, momentum,
       adam, adamw, lion, schedules, ...) and those that need only the whole gradient
       (``clip_by_global_norm``) run there. Any other optax transformation works too, as
-      optax computes it: what reads each leaf's shape or values (lamb's trust ratio,
-      adafactor, muon, sm3, a weight-decay ``mask=``) runs on the params tree, unpacked
-      from the buckets, and its updates are packed back. Of an `optax.chain`, only the
-      parts that need the leaves run on them (``adamw(mask=...)``: the masked weight
-      decay; adam's moments stay on buckets). ``init`` finds out which, by probing
-      (see ``Raises``), and logs it once on the ``"jpack"`` logger (INFO). Or a dict
-      ``{label: transformation}`` used with ``labels``.
+      optax computes it. A trust ratio (lamb's) and a weight-decay ``mask=`` that is
+      static per leaf are computed leaf by leaf on the buckets; anything else that reads
+      each leaf's shape or values (adafactor, muon, sm3) runs on the params tree,
+      unpacked from the buckets, and its updates are packed back. Of an `optax.chain`,
+      only the parts that need the leaves run on them (adam's moments stay on buckets).
+      ``init`` finds out which, by probing (see ``Raises``), and logs it once on the
+      ``"jpack"`` logger (INFO). Or a dict ``{label: transformation}`` used with
+      ``labels``.
     labels: per-leaf labels, as in `optax.multi_transform`: a tree of labels with the
       structure of the params (or a prefix of it: one label for a whole subtree), or a
       function ``params -> tree of labels``. Labels need not be strings (``True``,
@@ -278,8 +279,8 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
     >>> updates["w"].shape
     (2, 2)
 
-    GPT-2's recipe, weight decay on matrices only: adam runs on the buckets, the masked
-    weight decay on the leaves.
+    GPT-2's recipe, weight decay on matrices only: adam runs on the buckets, and the
+    mask is spread over each leaf's range of them.
 
     >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
     >>> decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)

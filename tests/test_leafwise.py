@@ -71,7 +71,7 @@ def assert_close(got, want):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
-@settings(max_examples=12)
+@settings(max_examples=6)
 @given(trees())
 def test_on_buckets_like_optax_on_the_tree(case):
   params, updates, mask, options = case
@@ -80,7 +80,7 @@ def test_on_buckets_like_optax_on_the_tree(case):
     assert_close(flat_update(tx, updates, params, options), want)
 
 
-@settings(max_examples=8)
+@settings(max_examples=4)
 @given(trees())
 def test_on_zero1_slices_like_optax_on_the_tree(case):
   params, updates, mask, options = case

@@ -60,6 +60,9 @@ def on_buckets(tx: Any, layout: Layout, axis_name: Any,
   """
   if not all(jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets):
     return None
+  if any(len(b.slots) > 1 and b.size // _align(layout, b) > _MAX_BLOCKS
+         for b in layout.buckets):
+    return None  # its tables would be large constants: left to the leaves
   tx = _unwrapped(tx)
   code = getattr(getattr(tx, "update", None), "__code__", None)
   if code is _TRUST_RATIO_CODE:
@@ -78,6 +81,14 @@ def on_buckets(tx: Any, layout: Layout, axis_name: Any,
       return None
     return masked(swapped or optax.with_extra_args_support(inner), flags, layout, axis_name)
   return None
+
+
+# The most blocks a bucket of several leaves may have (each has two int32 table entries).
+_MAX_BLOCKS = 1 << 21
+
+
+def _align(layout: Layout, bucket: Bucket) -> int:
+  return max(1, layout.align_bytes // bucket.dtype.itemsize)
 
 
 def _unwrapped(tx: Any) -> Any:
@@ -131,8 +142,7 @@ class _Ranges:
     ends = starts + [layout.slots[j].size for j in bucket.slots]
     # A block never crosses a leaf's start: each lies in one leaf's range (or the gap
     # after it). The largest such block keeps the tables below short.
-    self.block = math.gcd(max(1, layout.align_bytes // bucket.dtype.itemsize), length,
-                          *map(int, starts))
+    self.block = math.gcd(_align(layout, bucket), length, *map(int, starts))
     self.count, self.length = len(starts), length
     if self.count == 1:
       self.leaf = None

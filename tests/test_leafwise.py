@@ -128,3 +128,17 @@ def test_a_mask_of_other_than_bools_is_left_to_the_probe():
   tx = optax.masked(optax.scale_by_trust_ratio(), mask)
   want = tx.update(updates, tx.init(params), params)[0]
   assert_close(flat_update(tx, updates, params, {}), want)
+
+
+def test_a_bucket_too_long_for_its_tables_is_left_to_the_leaves():
+  """A bucket of several leaves whose per-block tables would be large constants (tiny
+  alignment, millions of elements) is not computed leaf by leaf; it still matches."""
+  from jpack import _leafwise
+  shapes = {"a": jax.ShapeDtypeStruct((3_000_000,), jnp.float32),
+            "b": jax.ShapeDtypeStruct((5,), jnp.float32)}
+  layout = jpack.plan(shapes, align_bytes=4, bucket_bytes=1 << 26, solo_bytes=None)
+  assert len(layout.buckets) == 1
+  assert _leafwise.on_buckets(optax.scale_by_trust_ratio(), layout, None,
+                              lambda tx: None) is None
+  assert _leafwise.on_buckets(optax.scale_by_trust_ratio(), jpack.plan(shapes), None,
+                              lambda tx: None) is not None

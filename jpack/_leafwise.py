@@ -142,7 +142,7 @@ class _Ranges:
     ends = starts + [layout.slots[j].size for j in bucket.slots]
     # A block never crosses a leaf's start: each lies in one leaf's range (or the gap
     # after it). The largest such block keeps the tables below short.
-    self.block = math.gcd(_align(layout, bucket), length, *map(int, starts))
+    self.block = math.gcd(length, *map(int, starts))  # a multiple of the alignment
     self.count, self.length = len(starts), length
     if self.count == 1:
       self.leaf = None

@@ -161,8 +161,9 @@ README_ROWS = (
     ("resnet18_narrow", "packed", "jit"),
     ("mlp_24x1024", "sharded", "jit_zero1"),
 )
-MODEL_LABELS = {"gpt2_12x64": "GPT-2-like", "mlp_40x256": "MLP 40x256",
-                "resnet18_narrow": "ResNet-18-like", "mlp_24x1024": "MLP 24x1024"}
+MODEL_LABELS = {"gpt2_12x64": "GPT-2-like", "vit_12x64": "ViT-like",
+                "mlp_40x256": "MLP 40x256", "resnet18_narrow": "ResNet-18-like",
+                "mlp_24x1024": "MLP 24x1024"}
 MODE_LABELS = {"packed": '`mode="packed"`', "sharded": '`mode="sharded"` (ZeRO-1)',
                "allreduce": '`mode="allreduce"`', "packed_bf16": '`mode="packed"`, bf16 wire'}
 MAIN_MODEL = "mlp_40x256"  # comparison.md's baselines
@@ -185,6 +186,12 @@ def _spread(base: Row | None, row: Row) -> str:
     return ""
   ratios = [x / y for x, y in zip(a, b)]
   return f" ({min(ratios):.2f}–{max(ratios):.2f})"
+
+
+def _speedup_and_spread(base: Row | None, row: Row | None) -> str:
+  """``1.31x (1.10–1.51)``: `_speedup` with its `_spread`, or "-"."""
+  ratio = "-" if row is None else _speedup(base, row)
+  return ratio if ratio == "-" else ratio + _spread(base, row)
 
 
 def _readme_rows(tables: Sequence[Mapping[str, Any]]
@@ -232,8 +239,7 @@ def render_readme(results: Results) -> str:
   out = []
   for label, row, base, jit in picked:
     base_compile = base["cells"].get("compile s", "-") if base else "-"
-    vs_base = _speedup(base, row)
-    out.append([label, vs_base + (_spread(base, row) if vs_base != "-" else ""),
+    out.append([label, _speedup_and_spread(base, row),
                 *([_speedup(jit, row)] if with_jit else []),
                 f"{row['cells'].get('compile s', '-')} ({base_compile})",
                 startup.get((row["values"].get("model"), row["values"].get("key")), "-"),
@@ -255,8 +261,6 @@ def render_readme(results: Results) -> str:
 
 # The real architectures, and the modes the README's "skip it when" shows on them.
 REAL_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow")
-REAL_MODEL_LABELS = {"gpt2_12x64": "GPT-2-like", "vit_12x64": "ViT-like",
-                     "resnet18_narrow": "ResNet-18-like"}
 REAL_MODEL_KEYS = (("packed", '`mode="packed"`'), ("sharded", '`mode="sharded"`'),
                    ("hand_pmean", "hand-written `jpack.pmean` step"))
 
@@ -273,13 +277,9 @@ def render_real_models(results: Results) -> str:
     rows = next((_by_key(t) for t in tables if _model(t) == model), None)
     if rows is None:
       continue
-    base = rows.get("per_leaf")
-    cells = []
-    for key, _ in REAL_MODEL_KEYS:
-      row = rows.get(key)
-      ratio = "-" if row is None else _speedup(base, row)
-      cells.append(ratio + (_spread(base, row) if ratio != "-" else ""))
-    out.append([REAL_MODEL_LABELS[model], *cells])
+    out.append([MODEL_LABELS[model], *(_speedup_and_spread(rows.get("per_leaf"),
+                                                          rows.get(key))
+                                       for key, _ in REAL_MODEL_KEYS)])
   columns = ["speed-up over per-leaf", *(label for _, label in REAL_MODEL_KEYS)]
   return "\n\n".join([markdown_table(columns, out),
                        "In brackets, the lowest and the highest over the interleaved "

@@ -144,27 +144,23 @@ class _Ranges:
     # after it). The largest such block keeps the tables below short.
     self.block = math.gcd(length, *map(int, starts))  # a multiple of the alignment
     self.count, self.length = len(starts), length
+    self.sliced = axis_name is not None
+    self.first = lax.axis_index(axis_name) * length if self.sliced else jnp.int32(0)
     if self.count == 1:
-      self.leaf = None
-      self.first = jnp.int32(0) if axis_name is None else lax.axis_index(axis_name) * length
-      self.end = jnp.asarray(ends[0], jnp.int32)
+      self.leaf, self.end = None, jnp.asarray(ends[0], jnp.int32)
       return
     # Per block of the whole bucket: its leaf, and that leaf's end (static tables).
     leaf = np.searchsorted(starts, np.arange(bucket.size // self.block) * self.block,
                            side="right") - 1
     self.tables = leaf.astype(np.int32), ends[leaf].astype(np.int32)
-    self.axis_name = axis_name
     self.leaf, self.end = (self._mine(t) for t in self.tables)
-    self.first = (jnp.int32(0) if axis_name is None
-                  else lax.axis_index(axis_name) * length)
 
   def _mine(self, table: np.ndarray) -> jax.Array:
     """This slice's part of a per-block table of the whole bucket."""
-    if self.axis_name is None:
+    if not self.sliced:
       return jnp.asarray(table)
-    blocks = self.length // self.block
-    return lax.dynamic_slice_in_dim(jnp.asarray(table),
-                                    lax.axis_index(self.axis_name) * blocks, blocks)
+    return lax.dynamic_slice_in_dim(jnp.asarray(table), self.first // self.block,
+                                    self.length // self.block)
 
   def _per_element(self, per_block: jax.Array) -> jax.Array:
     shape = (self.length // self.block, self.block)

@@ -269,8 +269,7 @@ def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, 
     tx, on_leaves, whole, computed = place(layout)
     if computed and log:
       logger.info("jpack.optax.sharded (layout %s): %s on each device's slices, leaf by "
-                  "leaf", layout.fingerprint,
-                  ", ".join(dict.fromkeys(computed)))
+                  "leaf", layout.fingerprint, ", ".join(dict.fromkeys(computed)))
     final = layout
     if on_leaves and any(shard_of(layout, s) is None for s in layout.slots):
       final = whole_leaf_shards(

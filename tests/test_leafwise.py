@@ -71,22 +71,14 @@ def assert_close(got, want):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("update", [flat_update, sharded_update], ids=["flat", "sharded"])
 @settings(max_examples=6)
 @given(trees())
-def test_on_buckets_like_optax_on_the_tree(case):
+def test_like_optax_on_the_tree(update, case):
   params, updates, mask, options = case
   for tx in optimizers(mask):
     want = tx.update(updates, tx.init(params), params)[0]
-    assert_close(flat_update(tx, updates, params, options), want)
-
-
-@settings(max_examples=4)
-@given(trees())
-def test_on_zero1_slices_like_optax_on_the_tree(case):
-  params, updates, mask, options = case
-  for tx in optimizers(mask):
-    want = tx.update(updates, tx.init(params), params)[0]
-    assert_close(sharded_update(tx, updates, params, options), want)
+    assert_close(update(tx, updates, params, options), want)
 
 
 def big_and_small():

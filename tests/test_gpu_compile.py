@@ -44,7 +44,7 @@ def mesh():
 @pytest.fixture(scope="module", params=sorted(SMALL))
 def compiled(request, mesh):
   model = SMALL[request.param]()
-  keys = ("floor", "per_leaf", "packed", "sharded")
+  keys = ("floor", "per_leaf", "per_leaf_no_concat", "packed", "sharded")
   return model, {k: gpu_compile.compile_variant(k, model, mesh, rows=2) for k in keys}
 
 
@@ -92,10 +92,36 @@ def test_every_gradient_collective_overlaps_compute(compiled, mode):
   assert colls and all(c.overlapped for c in colls), colls
 
 
-@pytest.mark.parametrize("mode", ["packed", "sharded"])
-def test_fewer_kernels_than_xlas_per_leaf_step(compiled, mode):
+# per_leaf_no_concat: XLA's own step at its best, its merged all-reduces in place. ZeRO-1
+# launches a reduce-scatter per matrix, which on the small bf16 model is more than that.
+@pytest.mark.parametrize("mode,baseline", [("packed", "per_leaf"), ("sharded", "per_leaf"),
+                                           ("packed", "per_leaf_no_concat")])
+def test_fewer_kernels_than_xlas_per_leaf_step(compiled, mode, baseline):
   _, results = compiled
-  assert results[mode].program.kernels < results["per_leaf"].program.kernels
+  assert results[mode].program.kernels < results[baseline].program.kernels
+
+
+def test_merged_all_reduces_reduce_the_buckets_in_place(compiled):
+  # The default mode lets XLA merge its buckets' all-reduces (one grouped launch) but
+  # not concatenate them into one buffer: a merged all-reduce returns a tuple of buckets.
+  _, results = compiled
+  starts = [line.split("=", 1)[1].strip() for line in results["packed"].hlo.splitlines()
+            if " all-reduce-start(" in line]
+  assert any(t.startswith("(") and "," in t.split(")")[0] for t in starts), starts
+  per_leaf = [line for line in results["per_leaf"].hlo.splitlines()
+              if " all-reduce-start(" in line]
+  assert not any(line.split("=", 1)[1].strip().startswith("(") for line in per_leaf)
+
+
+def test_gpu_step_options_keep_the_users_disabled_passes(mesh, monkeypatch):
+  from jpack import _cpu
+
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_disable_hlo_passes=foo,bar")
+  _, options = _cpu.step_defaults(mesh.devices.flat, False, 8)
+  assert options["xla_disable_hlo_passes"] == "foo,bar,all-reduce-contiguous"
+  monkeypatch.delenv("XLA_FLAGS")
+  _, options = _cpu.step_defaults(mesh.devices.flat, True, 8)
+  assert options["xla_disable_hlo_passes"] == "all-reduce-contiguous"
 
 
 def test_analyze_program_reads_a_scheduled_module():

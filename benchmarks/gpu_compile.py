@@ -74,7 +74,7 @@ import jpack  # noqa: E402
 from benchmarks import _common as c  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks import step as step_bench  # noqa: E402
-from benchmarks._hlo import Program, analyze_program  # noqa: E402
+from benchmarks._hlo import CollectiveOp, Program, analyze_program  # noqa: E402
 
 AXIS = "batch"
 NUM_GPUS = 8
@@ -280,17 +280,9 @@ def run_workload(name: str, variants: list[str], report: c.Report,
                    "lower + compile s"],
                   title=f"{name}: {model.describe}, {model.num_leaves} leaves, "
                         f"{model.num_params / 1e6:.1f} M params; compiled for 8 H100s, not run")
-  floor, base = results.get("floor"), results.get("per_leaf")
   for key, r in results.items():
     p = r.program
-    share = "-"
-    kr = hr = None
-    # An accumulating step runs the forward and backward passes 4 times on a quarter of
-    # the rows: more kernels and weight reads than one step, not comparable with it.
-    if floor and base and key not in ("floor", "per_leaf") and key not in UNCOMPARED:
-      kr = removed(p.kernels, base.program.kernels, floor.program.kernels)
-      hr = removed(p.hbm_bytes, base.program.hbm_bytes, floor.program.hbm_bytes)
-      share = f"{kr:.0%} / {hr:.0%}"
+    kr, hr, share = shares(key, r, results)
     table.add(VARIANTS[key], p.kernels, f"{p.hbm_bytes / 2**20:,.0f}",
               f"{p.copy_bytes / 2**20:,.0f}", p.collective_summary(),
               f"{p.overlapped}/{len(p.collectives)}", f"{r.temp_bytes / 2**20:,.0f}",
@@ -302,14 +294,64 @@ def run_workload(name: str, variants: list[str], report: c.Report,
               kernels_removed=kr, hbm_removed=hr, lower_s=r.lower_s, compile_s=r.compile_s,
               grad_bytes=grad_bytes)
   report.table(table)
-  met = goals(results, grad_bytes)
-  if met:
-    g = c.Table(["mode", "goal", "result"], title=f"{name}: goals")
-    for mode, checks in met.items():
-      for goal, ok in checks.items():
-        g.add(VARIANTS[mode], goal, c.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
+  g = goals_table(name, results, grad_bytes)
+  if g.rows:
     report.table(g)
   return results
+
+
+def shares(key: str, r: Result, results: dict[str, Result]
+           ) -> tuple[float | None, float | None, str]:
+  """``(kernels removed, HBM removed, cell)`` of variant ``key`` against the floor and
+  per-leaf rows of ``results``; None and "-" where they are missing or not comparable
+  (an accumulating step runs the forward and backward passes 4 times on a quarter of
+  the rows: more kernels and weight reads than one step)."""
+  floor, base = results.get("floor"), results.get("per_leaf")
+  if not (floor and base) or key in ("floor", "per_leaf") or key in UNCOMPARED:
+    return None, None, "-"
+  kr = removed(r.program.kernels, base.program.kernels, floor.program.kernels)
+  hr = removed(r.program.hbm_bytes, base.program.hbm_bytes, floor.program.hbm_bytes)
+  return kr, hr, f"{kr:.0%} / {hr:.0%}"
+
+
+def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> c.Table:
+  """Workload ``name``'s goals per mode (`goals`), met or not; no rows without a floor
+  and a per-leaf step to measure against."""
+  g = c.Table(["mode", "goal", "result"], title=f"{name}: goals")
+  for mode, checks in goals(results, grad_bytes).items():
+    for goal, ok in checks.items():
+      g.add(VARIANTS[mode], goal, c.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
+  return g
+
+
+def _result(v: dict[str, Any]) -> Result:
+  """A `Result` back from a row's JSON values (no program text)."""
+  program = Program(v["kernels"], v["hbm_bytes"], v["copy_kernels"], v["copy_bytes"],
+                    tuple(CollectiveOp(**x) for x in v["collectives"]))
+  return Result(v["key"], program, v["temp_bytes"], v["arg_bytes"], v["lower_s"],
+                v["compile_s"])
+
+
+def with_shares(doc: dict[str, Any]) -> dict[str, Any]:
+  """``doc`` with every row's removed shares and every workload's goals computed again
+  from the rows it holds, whichever run compiled them: after ``--update`` merges runs,
+  they compare with the floor and per-leaf rows now in the JSON."""
+  tables = []
+  for table in doc["tables"]:
+    if "kernels" not in table["columns"]:
+      continue  # a goals table: made again below from its workload's rows
+    rows = {r["values"]["key"]: r for r in table["rows"]}
+    results = {key: _result(r["values"]) for key, r in rows.items()}
+    for key, row in rows.items():
+      kr, hr, share = shares(key, results[key], results)
+      row["values"].update(kernels_removed=kr, hbm_removed=hr)
+      row["cells"]["removed: kernels / HBM"] = share
+    tables.append(table)
+    first = table["rows"][0]["values"]
+    g = goals_table(first["workload"], results, first["grad_bytes"])
+    if g.rows:
+      tables.append(g.json())
+  return {**doc, "tables": tables}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     run_workload(name, variants, report)
     # After every workload: a long run keeps what it has.
     report.write_markdown(args.markdown)
-    report.write_json(args.json, None if earlier is None else merged(earlier, report.json()))
+    doc = report.json() if earlier is None else merged(earlier, report.json())
+    report.write_json(args.json, with_shares(doc))
   return 0
 
 

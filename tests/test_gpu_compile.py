@@ -236,3 +236,34 @@ def test_update_keeps_what_is_not_compiled_again():
   assert rows == [("floor", "one"), ("hand_pmean", "one"), ("packed", "all")]
   assert got["commands"] == ["all", "one"]
   assert gpu_compile.merged(got, doc("two", [], []))["commands"] == ["all", "one", "two"]
+
+
+def test_shares_and_goals_are_computed_from_the_merged_rows():
+  # A packed row compiled in one run, the floor and per-leaf rows in another: after the
+  # merge the packed row's shares and goals compare with those, by hand here.
+  def row(key, kernels, hbm, copy, temp, overlapped=True):
+    colls = [] if key == "floor" else [
+        {"op": "all-reduce", "dtype": "f32", "bytes": 5000, "overlapped": overlapped}]
+    return {"cells": {"variant": key, "removed: kernels / HBM": "?"}, "values": {
+        "workload": "w", "key": key, "kernels": kernels, "hbm_bytes": hbm,
+        "copy_kernels": 1, "copy_bytes": copy, "collectives": colls, "temp_bytes": temp,
+        "arg_bytes": 1, "lower_s": 0.0, "compile_s": 0.0, "grad_bytes": 50}}
+
+  table = {"title": "w", "columns": ["variant", "kernels", "removed: kernels / HBM"],
+           "rows": [row("floor", 100, 1000, 10, 80), row("per_leaf", 200, 2000, 90, 100),
+                    row("packed", 110, 1500, 30, 90), row("packed_acc4", 300, 4000, 30, 90)]}
+  stale = {"title": "w: goals", "columns": ["mode", "goal", "result"], "rows": [
+      {"cells": {"mode": "packed", "goal": "old", "result": "MISS"},
+       "values": {"workload": "w", "key": "packed", "goal": "old", "ok": False}}]}
+  got = gpu_compile.with_shares({"command": "x", "tables": [table, stale]})
+  rows = {r["values"]["key"]: r for r in got["tables"][0]["rows"]}
+  assert rows["packed"]["values"]["kernels_removed"] == pytest.approx(0.9)
+  assert rows["packed"]["values"]["hbm_removed"] == pytest.approx(0.5)
+  assert rows["packed"]["cells"]["removed: kernels / HBM"] == "90% / 50%"
+  assert rows["packed_acc4"]["cells"]["removed: kernels / HBM"] == "-"
+  assert rows["per_leaf"]["values"]["kernels_removed"] is None
+  goals = {r["values"]["goal"]: r["values"]["ok"] for r in got["tables"][1]["rows"]}
+  assert goals == {"kernels removed >= 80%": True, "HBM removed >= 60%": False,
+                   "copy-only bytes above floor <= 1 gradient": True,
+                   "temp <= per-leaf": True, "every bucket's collective overlapped": True}
+  assert len(got["tables"]) == 2

@@ -24,6 +24,8 @@ table) and 8-way data parallelism:
                 its merged all-reduces reduce the leaves in place instead of
                 concatenating them into a buffer and slicing the result back out
   hand_pmean    the same step with ``jpack.pmean(grads)``: what the README writes first
+  hand_pmean_options    that step with ``jpack.step_options(mesh)``: its plan options to
+                ``jpack.pmean`` and its compiler options to the step's ``jax.jit``
   jit           plain ``jax.jit`` with the batch split by ``NamedSharding``
   jit_zero1     the same with adamw's state split over the devices by its shardings
   allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
@@ -87,6 +89,7 @@ VARIANTS = {
     "per_leaf": "per-leaf pmean",
     "per_leaf_no_concat": "per-leaf pmean, all-reduce-contiguous off",
     "hand_pmean": "hand-written jpack.pmean step",
+    "hand_pmean_options": "hand-written jpack.pmean step, jpack.step_options",
     "jit": "jit + NamedSharding",
     "jit_zero1": "jit, ZeRO-1 by sharding",
     "allreduce": "jpack allreduce",
@@ -161,9 +164,10 @@ def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
     s = _floor(model, mesh)
   elif key in ("per_leaf", "per_leaf_no_concat"):
     s = step_bench._plain_step(model, mesh, optax.stateless(step_bench._per_leaf_pmean), tx)
-  elif key == "hand_pmean":  # the README's first step: per-leaf's, with jpack.pmean
+  elif key in ("hand_pmean", "hand_pmean_options"):  # the README's first step
+    options = jpack.step_options(mesh, AXIS)[0] if key == "hand_pmean_options" else {}
     s = step_bench._plain_step(
-        model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS)), tx)
+        model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS, **options)), tx)
   elif key in ("jit", "jit_zero1"):
     # Auto axes: XLA chooses the shardings inside the step, as a plain jit user gets
     # (under Explicit axes an embedding lookup would need its out_sharding spelled out).
@@ -201,7 +205,9 @@ def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DE
   t0 = time.perf_counter()
   lowered = lower(state, batch)
   t1 = time.perf_counter()
-  compiled = lowered.compile(COMPILER_OPTIONS.get(key))
+  options = (jpack.step_options(mesh, AXIS)[1] if key == "hand_pmean_options"
+             else COMPILER_OPTIONS.get(key))
+  compiled = lowered.compile(options)
   t2 = time.perf_counter()
   mem = compiled.memory_analysis()
   text = compiled.as_text()

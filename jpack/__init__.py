@@ -21,6 +21,7 @@ from jpack._precision import cast_params as cast_params
 from jpack._train import DataParallel as DataParallel
 from jpack._train import TrainState as TrainState
 from jpack._train import data_parallel as data_parallel
+from jpack._train import step_options as step_options
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "psum",
     "reduce_scatter",
     "shard",
+    "step_options",
     "unpack",
     "vary",
 ]

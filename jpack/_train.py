@@ -188,8 +188,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
     raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
                     "label itself (pass labels= with a dict of optimizers, or a plain "
                     "optimizer).")
-  n = mesh.shape[axis_name]
-  defaults, compiler_options = cpu.step_defaults(mesh.devices.flat, mode == "sharded", n)
+  defaults, compiler_options = step_options(mesh, axis_name, sharded=mode == "sharded")
   plan_options = {**defaults, **plan_options}
   narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
   layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
@@ -243,6 +242,36 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
                           axis_name, mesh, mode, accumulate, has_state, compiler_options,
                           host_packed)
   return dp._replace(layout=layout)
+
+
+def step_options(mesh: Mesh | None = None, axis_name: str = "batch", *,
+                 sharded: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The plan options and XLA compiler options `data_parallel` uses on ``mesh``.
+
+  For a hand-written step, so that it compiles to `data_parallel`'s program: pass the
+  first to `jpack.plan` and the second to your ``jax.jit``. On CPU devices (and TPUs)
+  the compiler options are empty. On GPUs they let XLA merge the buckets' all-reduces
+  without copying them into one buffer, and keep ZeRO-1's reduce-scatters apart; the
+  plan options keep every matrix in a bucket of its own (docs/gpu.md).
+
+  Args:
+    mesh: the data-parallel mesh (default: all devices).
+    axis_name: its data-parallel axis.
+    sharded: options for ZeRO-1 (`jpack.optax.sharded`): buckets padded into equal
+      shards on every backend.
+
+  Returns:
+    ``(plan_options, compiler_options)``, two dicts.
+
+  Example::
+
+    plan_options, compiler_options = jpack.step_options(mesh)
+    layout = jpack.plan(params, **plan_options)
+    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=..., out_specs=...),
+                   compiler_options=compiler_options)
+  """
+  mesh = _check_mesh(mesh, axis_name)
+  return cpu.step_defaults(mesh.devices.flat, sharded, mesh.shape[axis_name])
 
 
 def _check_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:

@@ -44,7 +44,8 @@ def mesh():
 @pytest.fixture(scope="module", params=sorted(SMALL))
 def compiled(request, mesh):
   model = SMALL[request.param]()
-  keys = ("floor", "per_leaf", "per_leaf_no_concat", "packed", "sharded")
+  keys = ("floor", "per_leaf", "per_leaf_no_concat", "hand_pmean", "hand_pmean_options",
+          "packed", "sharded")
   return model, {k: gpu_compile.compile_variant(k, model, mesh, rows=2) for k in keys}
 
 
@@ -113,15 +114,30 @@ def test_merged_all_reduces_reduce_the_buckets_in_place(compiled):
   assert not any(line.split("=", 1)[1].strip().startswith("(") for line in per_leaf)
 
 
-def test_gpu_step_options_keep_the_users_disabled_passes(mesh, monkeypatch):
-  from jpack import _cpu
+def test_step_options_on_gpus_keep_the_users_disabled_passes(mesh, monkeypatch):
+  import jpack
 
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_disable_hlo_passes=foo,bar")
-  _, options = _cpu.step_defaults(mesh.devices.flat, False, 8)
+  plan_options, options = jpack.step_options(mesh)
   assert options["xla_disable_hlo_passes"] == "foo,bar,all-reduce-contiguous"
+  assert plan_options == {"num_shards": 1, "align_bytes": 16, "solo_ndim": 2}
   monkeypatch.delenv("XLA_FLAGS")
-  _, options = _cpu.step_defaults(mesh.devices.flat, True, 8)
+  plan_options, options = jpack.step_options(mesh, sharded=True)
   assert options["xla_disable_hlo_passes"] == "all-reduce-contiguous"
+  assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 0
+  assert plan_options["num_shards"] == 8
+  with pytest.raises(ValueError, match="'data'"):
+    jpack.step_options(mesh, "data")
+
+
+def test_hand_written_step_with_step_options_copies_no_more_than_one_gradient(compiled):
+  # The README's jpack.pmean step under a plain jax.jit: XLA concatenates its buckets
+  # again and slices them back; with jpack.step_options it reduces them in place.
+  model, results = compiled
+  floor = results["floor"].program.copy_bytes
+  plain, tuned = results["hand_pmean"].program, results["hand_pmean_options"].program
+  assert tuned.copy_bytes - floor <= _grad_bytes(model)
+  assert tuned.copy_bytes < plain.copy_bytes and tuned.hbm_bytes < plain.hbm_bytes
 
 
 def test_analyze_program_reads_a_scheduled_module():

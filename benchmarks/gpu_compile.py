@@ -116,8 +116,11 @@ OPTIMIZERS = {"sharded_lamb": lambda: optax.lamb(LEARNING_RATE),
 # only: not accumulation (four passes), bf16 params (half the bytes), lamb or adafactor.
 UNCOMPARED = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16_params",
               "sharded_lamb", "sharded_adafactor")
-# The baselines compiled with options of their own (the jpack steps carry theirs).
-COMPILER_OPTIONS = {"per_leaf_no_concat": {"xla_disable_hlo_passes": "all-reduce-contiguous"}}
+# The baselines compiled with options of their own, per mesh (the jpack steps carry
+# theirs).
+COMPILER_OPTIONS = {
+    "per_leaf_no_concat": lambda mesh: {"xla_disable_hlo_passes": "all-reduce-contiguous"},
+    "hand_pmean_options": lambda mesh: jpack.step_options(mesh, AXIS)[1]}
 # Collectives this small are the loss's and the norm's scalars, not a bucket's.
 BUCKET_MIN_BYTES = 1024
 # The goals jpack's default and ZeRO-1 modes are held to on every workload.
@@ -205,9 +208,8 @@ def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DE
   t0 = time.perf_counter()
   lowered = lower(state, batch)
   t1 = time.perf_counter()
-  options = (jpack.step_options(mesh, AXIS)[1] if key == "hand_pmean_options"
-             else COMPILER_OPTIONS.get(key))
-  compiled = lowered.compile(options)
+  compiled = lowered.compile(COMPILER_OPTIONS[key](mesh) if key in COMPILER_OPTIONS
+                             else None)
   t2 = time.perf_counter()
   mem = compiled.memory_analysis()
   text = compiled.as_text()

@@ -1,5 +1,6 @@
 """jpack: pack JAX pytrees into a few aligned, per-dtype flat buckets."""
 
+from jpack import checkpoint as checkpoint
 from jpack import optax as optax
 from jpack._collectives import Shards as Shards
 from jpack._collectives import all_gather as all_gather
@@ -17,8 +18,10 @@ from jpack._layout import plan as plan
 from jpack._pack import Packed as Packed
 from jpack._pack import pack as pack
 from jpack._pack import unpack as unpack
+from jpack._precision import Precision as Precision
 from jpack._precision import cast_params as cast_params
 from jpack._train import DataParallel as DataParallel
+from jpack._train import Mode as Mode
 from jpack._train import TrainState as TrainState
 from jpack._train import data_parallel as data_parallel
 from jpack._train import step_options as step_options
@@ -28,7 +31,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Bucket",
     "Layout",
+    "Mode",
     "Packed",
+    "Precision",
     "Shards",
     "Slot",
     "all_gather",
@@ -37,6 +42,7 @@ __all__ = [
     "TrainState",
     "broadcast",
     "cast_params",
+    "checkpoint",
     "data_parallel",
     "optax",
     "pack",

@@ -18,13 +18,15 @@ from jpack._pack import Packed, unpack
 from jpack._precision import as_layout
 
 
-def with_state(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
+def with_state(loss_fn: Callable[..., Any], has_aux: bool
                 ) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
   """``loss_fn`` as ``(params, model_state, batch) -> (loss, (new_model_state, aux))``.
 
-  What ``loss_fn`` returns is checked against ``has_aux`` and ``has_state`` when the
-  step traces (nothing is left of the check in the compiled step)."""
+  A model state of None (``init(params)``) calls ``loss_fn(params, batch)``. What
+  ``loss_fn`` returns is checked when the step traces (nothing is left of the check in
+  the compiled step)."""
   def loss_of(params, model_state, batch):
+    has_state = model_state is not None
     if has_state:
       out = _call(loss_fn, (params, model_state, batch), has_aux, has_state)
       loss, rest = _returned_pair(out, has_aux, has_state)
@@ -45,7 +47,8 @@ def with_state(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
 
 def _expected(has_aux: bool, has_state: bool) -> str:
   """How data_parallel calls ``loss_fn``, and what it takes back, with these flags."""
-  flags = f"has_state={has_state}, has_aux={has_aux}"
+  flags = (f"has_aux={has_aux} and " +
+           ("a model state given to init" if has_state else "no model state given to init"))
   call = "loss_fn(params, model_state, batch)" if has_state else "loss_fn(params, batch)"
   back = {(False, False): "the scalar loss", (True, False): "(loss, aux)",
           (False, True): "(loss, new_model_state)",
@@ -61,8 +64,8 @@ def _fixes(has_aux: bool, has_state: bool) -> str:
                  + ("(loss, (new_model_state, aux))" if has_state else "(loss, aux)"))
   if not has_state:
     fixes.append("one that takes and returns the model's state (Flax's batch_stats, Haiku's "
-                 "state) needs has_state=True, with loss_fn(params, model_state, batch) -> "
-                 "(loss, new_model_state) and dp.init(params, model_state)")
+                 "state) is given its first value by dp.init(params, model_state), and "
+                 "returns (loss, new_model_state)")
   if has_aux and has_state:
     fixes.append("return (loss, (new_model_state, aux))")
   return "; ".join(fixes)
@@ -79,7 +82,7 @@ def _returned_pair(out: Any, has_aux: bool, has_state: bool, part: str = "") -> 
   if has_aux:
     fixes.append("if it returns no aux, drop has_aux=True")
   if has_state and not part:
-    fixes.append("if it takes no model state, drop has_state=True")
+    fixes.append("if it takes no model state, call dp.init(params) without one")
   raise TypeError(f"{where} {_describe(out)}, but {_expected(has_aux, has_state)}"
                   + (": " + "; ".join(fixes) if fixes else "") + ".")
 
@@ -119,9 +122,10 @@ def _call(loss_fn: Callable[..., Any], args: tuple, has_aux: bool, has_state: bo
 
 
 def check_loss_fn(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -> None:
-  """A ``loss_fn`` whose signature cannot take the arguments the flags give it, refused
-  with the flag to set. Signatures that ``inspect`` cannot read, or that take ``*args``,
+  """A ``loss_fn`` whose signature cannot take the arguments it will be given, refused
+  with what to change. Signatures that ``inspect`` cannot read, or that take ``*args``,
   pass here (their calls are checked when the step traces)."""
+  del has_aux
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
   try:
@@ -143,22 +147,21 @@ def check_loss_fn(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -
     return
   shown = f"loss_fn{signature}"
   if not has_state and takes(3):
-    raise TypeError(f"{shown} takes 3 arguments, but data_parallel was built without "
-                    "has_state=True, so it calls loss_fn(params, batch). If "
+    raise TypeError(f"{shown} takes 3 arguments, but init got no model state, so the step "
+                    "calls loss_fn(params, batch). If "
                     f"{names[1] if len(names) > 1 else 'its second argument'!r} is the "
-                    "model's state (Flax's batch_stats, Haiku's state), pass has_state=True: "
-                    "loss_fn(params, model_state, batch) returns (loss, new_model_state), "
-                    "and dp.init(params, model_state) takes its first value. Otherwise bind "
-                    "the extra argument with functools.partial.")
+                    "model's state (Flax's batch_stats, Haiku's state), pass its first value "
+                    "to init: dp.init(params, model_state); loss_fn(params, model_state, "
+                    "batch) then returns (loss, new_model_state). Otherwise bind the extra "
+                    "argument with functools.partial.")
   if has_state and takes(2):
-    raise TypeError(f"{shown} takes 2 arguments, but data_parallel(..., has_state=True) "
-                    "calls loss_fn(params, model_state, batch). Drop has_state=True if the "
-                    "model has no state, or add the model_state argument.")
+    raise TypeError(f"{shown} takes 2 arguments, but init got a model state, so the step "
+                    "calls loss_fn(params, model_state, batch). Call dp.init(params) without "
+                    "one if the model has no state, or add the model_state argument.")
   raise TypeError(f"{shown} cannot be called as "
                   + ("loss_fn(params, model_state, batch)" if has_state
                      else "loss_fn(params, batch)")
-                  + f" ({'has_state=True' if has_state else 'without has_state'}): take "
-                  "exactly these positional arguments, and bind any others with "
+                  + ": take exactly these positional arguments, and bind any others with "
                   "functools.partial.")
 
 
@@ -258,16 +261,10 @@ def _accumulation_dtype(dtype: Any) -> np.dtype:
   return d
 
 
-def check_accumulate(accumulate: Any, accumulator: str, mode: str) -> None:
+def check_accumulate(accumulate: Any) -> None:
   if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
     raise ValueError(f"accumulate must be a positive int (micro-batches per step), got "
                      f"{accumulate!r}.")
-  if accumulator not in ("local", "sharded"):
-    raise ValueError(f"accumulator must be 'local' or 'sharded', got {accumulator!r}.")
-  if accumulator == "sharded" and mode != "sharded":
-    raise ValueError("accumulator='sharded' reduce-scatters every micro-step's gradients "
-                     "into this device's slice, which only mode='sharded' (ZeRO-1) updates; "
-                     f"got mode={mode!r}.")
 
 
 def aux_to_mean(aux: Any) -> Any:

@@ -56,6 +56,58 @@ def group_fn_for(tree: Any, labels: Labels):
   return lambda path, leaf: by_path[path]
 
 
+def partition(transforms: Mapping[Any, optax.GradientTransformation],
+              param_labels: Labels) -> optax.GradientTransformationExtraArgs:
+  """`optax.partition` that jpack can read: one transformation per label of the params.
+
+  It runs as `optax.partition` does wherever optax runs, and `jpack.data_parallel`,
+  `jpack.optax.flat` and `jpack.optax.sharded` read its labels to give each label its
+  own buckets (a mask of optax's would see buckets, not leaves there).
+
+  Args:
+    transforms: ``{label: transformation}``; ``optax.set_to_zero()`` freezes leaves.
+    param_labels: a tree of labels like the params (or a prefix of it), or a function
+      ``params -> such a tree``.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` carrying ``transforms`` and
+    ``param_labels``.
+
+  Examples:
+    >>> import optax, jpack
+    >>> tx = jpack.optax.partition({"train": optax.adam(1e-3), "frozen": optax.set_to_zero()},
+    ...                            {"w": "train", "embedding": "frozen"})
+    >>> sorted(tx.transforms)
+    ['frozen', 'train']
+  """
+  check_inner(dict(transforms), param_labels)
+  tx = multi_transform(transforms, param_labels)
+  return _Partition(tx.init, tx.update, dict(transforms), param_labels)
+
+
+class _Partition(optax.GradientTransformationExtraArgs):
+  """`optax.partition`'s transformation, with the transforms and labels it was made of."""
+
+  def __new__(cls, init, update, transforms, param_labels):
+    self = super().__new__(cls, init, update)
+    self.transforms = transforms
+    self.param_labels = param_labels
+    return self
+
+
+def split_partition(optimizer: Any) -> tuple[Inner, Labels]:
+  """``(inner, labels)``: a `partition`'s dict of transformations and its labels, or
+  ``(optimizer, None)``. A dict of transformations without labels is refused: its labels
+  come with `jpack.optax.partition`."""
+  if isinstance(optimizer, _Partition):
+    return optimizer.transforms, optimizer.param_labels
+  if isinstance(optimizer, Mapping):
+    raise TypeError("A dict of transformations needs the labels of the leaves it applies to: "
+                    "pass jpack.optax.partition(transforms, param_labels), which works as "
+                    "optax.partition does.")
+  return optimizer, None
+
+
 def with_extra_args(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """``tx`` taking optax's extra update arguments (``value=`` for polyak_sgd or
   reduce_on_plateau). `optax.with_extra_args_support` drops them for every plain

@@ -9,7 +9,7 @@ master buckets have the same offsets in the wider dtype (`master_layout`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,36 @@ from jpack._layout import Layout, retyped
 from jpack._pack import Packed, pack
 
 ParamDtype = Union[None, Any, Callable[[Any], Any]]
+
+
+class Precision(NamedTuple):
+  """The dtypes a data-parallel step keeps its params in and sends its gradients in.
+
+  Attributes:
+    param_dtype: the dtype the loss sees the params in (``jnp.bfloat16``; a tree of
+      dtypes, or a function of the params, as in `jpack.cast_params`); the optimizer then
+      updates master copies in the dtype of the params given to ``init`` (float32).
+      None keeps the params as given.
+    comm_dtype: the wire dtype of the gradient collectives (see `jpack.psum`); None
+      sends them in the masters' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jpack
+    >>> jpack.Precision(param_dtype=jnp.bfloat16).comm_dtype is None
+    True
+  """
+  param_dtype: ParamDtype = None
+  comm_dtype: Any = None
+
+
+def check_precision(precision: Precision | None) -> Precision:
+  """``precision`` as a `Precision` (None: full precision)."""
+  if precision is None:
+    return Precision()
+  if not isinstance(precision, Precision):
+    raise TypeError(f"precision must be a jpack.Precision(param_dtype=..., comm_dtype=...), "
+                    f"got {type(precision).__name__}.")
+  return precision
 
 
 def cast_params(params: Any, param_dtype: ParamDtype) -> Any:

@@ -21,7 +21,7 @@ from jpack import _cpu as cpu
 from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
                                 reduce_scatter, shard)
 from jpack._internal import sum_of_squares
-from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed
+from jpack._labels import Inner, check_inner, group_fn_for, placed, split_partition
 from jpack._layout import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_LEAVES, Layout,
                            check_plan_options, plan, shard_of, whole_leaf_shards)
 from jpack._leafwise import on_buckets
@@ -66,7 +66,7 @@ class ShardedState:
     return layout_state_repr(self)
 
 
-def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: Any = None,
+def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: Any = None,
             param_dtype: ParamDtype = None,
             **plan_options: Any) -> optax.GradientTransformation:
   """ZeRO-1: run ``inner`` on this device's 1/N slice of every gradient bucket.
@@ -88,8 +88,8 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
   if given), so XLA need not copy donated parameters to protect the backward pass.
 
   Args:
-    inner: an optax transformation, or a dict ``{label: transformation}`` with
-      ``labels``. Elementwise ones (sgd, momentum, adam, adamw, lion, chains with
+    inner: an optax transformation, or a `jpack.optax.partition` of several (each label
+      gets its own buckets). Elementwise ones (sgd, momentum, adam, adamw, lion, chains with
       schedules, `jpack.optax.clip_by_global_norm(..., axis_name)`) run on the slices.
       A trust ratio (lamb's) and a mask that is static per leaf (``adamw(mask=...)``)
       are computed leaf by leaf on the slices (one small psum of the leaves' norms).
@@ -102,10 +102,6 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
       ``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`
       (``data_parallel(mode="packed")``) runs it on all the leaves.
     axis_name: the data-parallel mesh / pmap axis.
-    labels: per-leaf labels (a tree like params or a prefix of it, or ``params ->
-      tree``) selecting the
-      transformation of each leaf from the dict ``inner``: masks (no weight decay on
-      biases), frozen leaves (``optax.set_to_zero()``). Each label gets its own buckets.
     comm_dtype: wire dtype of the gradient reduce-scatter (see `jpack.psum`).
     param_dtype: mixed precision, as in `jpack.optax.flat`: the params are kept in this
       dtype, and the state keeps this device's slices of master copies in the dtype the
@@ -131,6 +127,7 @@ def sharded(inner: Inner, axis_name: Any, *, labels: Labels = None, comm_dtype: 
     >>> import optax, jpack
     >>> tx = jpack.optax.sharded(optax.adamw(1e-3), "batch")
   """
+  inner, labels = split_partition(inner)
   check_inner(inner, labels)
   check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
   where = "inside jpack.optax.sharded"

@@ -1,7 +1,8 @@
-"""A jit-compiled data-parallel training step over a mesh (shard_map) or with pmap."""
+"""A jit-compiled data-parallel training step over a mesh (`jax.shard_map`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -17,39 +18,48 @@ from jpack._collectives import all_gather, assert_same_layout, broadcast, shard
 from jpack._grads import (accumulated_grads, average_state, check_accumulate, check_loss_fn,
                           with_state)
 from jpack._internal import dtype_name, outside_jit
-from jpack._labels import Labels, check_inner, group_fn_for, multi_transform, with_extra_args
+from jpack._labels import check_inner, group_fn_for, split_partition, with_extra_args
 from jpack._layout import PARTITION_HINT, Layout, plan
 from jpack._pack import Packed, flatten_like, pack, unpack
-from jpack._placement import (check_micro_batches, check_splits, place, place_batch,
-                              replicate)
-from jpack._precision import ParamDtype, cast_params, master_layout
+from jpack._placement import place, place_batch, replicate
+from jpack._precision import ParamDtype, Precision, cast_params, check_precision, master_layout
 from jpack._probe import checker
 from jpack._sharded import ShardedState, sharded, sharded_layout
 from jpack._transforms import after, allreduce, firsts, flat
 
 MODES = ("allreduce", "packed", "sharded")
 _READ_FIX = ("Read the state step() returned, or copy what you need before the step: "
-             "jax.device_get(dp.params(state)).")
+             "jax.device_get(dp.unpack(state)).")
+
+
+class Mode(NamedTuple):
+  """What `data_parallel` keeps on each device, with the options of that choice.
+
+  ``mode="packed"`` and ``Mode("packed")`` are the same; the options exist only here.
+
+  Attributes:
+    name: ``"packed"``, ``"allreduce"`` or ``"sharded"`` (see `data_parallel`).
+    shard_accumulator: with ``accumulate > 1`` in ``"sharded"`` mode, reduce-scatter each
+      micro-batch's gradients into this device's 1/N slice (ZeRO-2's gradient memory,
+      ``accumulate`` reduce-scatters a step) instead of summing full buckets (one).
+  """
+  name: str = "packed"
+  shard_accumulator: bool = False
 
 
 class TrainState(NamedTuple):
   """What a data-parallel step carries from one step to the next.
 
-  ``step`` donates the whole state it is given, every field (``params``, ``opt_state``,
-  ``step`` and ``model_state``): their buffers hold the new state, and the old arrays
-  are deleted, so read fields from the state ``step`` returns. An array read from a
-  state before a later ``step`` (``stats = state.model_state``) is deleted by that step
-  too, and JAX then raises ``Array has been deleted``: copy it first
-  (``jax.device_get(state.model_state)``, ``jnp.copy``). Passing a donated state to
-  ``step`` or ``params`` raises a `RuntimeError` that says so. ``init`` donates nothing.
+  ``step`` donates the whole state it is given: read fields from the state it returns
+  (an array read from an older state is deleted; copy it first with
+  ``jax.device_get``). A donated state passed again raises a `RuntimeError`.
 
   Attributes:
-    params: the parameters: a tree, or a `jpack.Packed` in the "packed" and "sharded"
-      modes.
+    params: the parameters: a tree in ``"allreduce"`` mode, else a `jpack.Packed`.
     opt_state: the optimizer state (its slices, split over the axis, in "sharded" mode).
     step: the number of steps taken.
-    model_state: with ``has_state=True``, the model's state that is not trained (Flax's
-      ``batch_stats``), replicated; otherwise None.
+    model_state: the model's state that is not trained (Flax's ``batch_stats``), as
+      given to ``init``, replicated; None without one.
   """
   params: Any
   opt_state: Any
@@ -58,207 +68,128 @@ class TrainState(NamedTuple):
 
 
 class DataParallel(NamedTuple):
-  """The pair of functions `data_parallel` builds (like an optax transformation).
+  """The functions `data_parallel` builds (like an optax transformation).
 
   ``step.lower(state, batch)`` lowers the step as its own ``jax.jit`` does (compiler
-  options included) without running it, on arrays or on `jax.ShapeDtypeStruct`s
-  (``jax.eval_shape(dp.init, params)`` gives the state's): ``.compile().as_text()`` is
-  the program XLA runs, also for a mesh of devices that are not attached (see
-  docs/gpu.md).
+  options included) without running it, on arrays or `jax.ShapeDtypeStruct`s
+  (``jax.eval_shape(dp.init, params)`` gives the state's); see docs/gpu.md.
   """
-  init: Callable[[Any], TrainState]                # params -> replicated TrainState
+  init: Callable[..., TrainState]                  # (params[, model_state]) -> TrainState
   step: Callable[[TrainState, Any], tuple[TrainState, dict]]  # (state, batch) -> new, metrics
-  params: Callable[[TrainState], Any]              # state -> params as the original tree
+  unpack: Callable[[TrainState], Any]              # state -> params as the original tree
   layout: Layout                                   # the bucket layout of the params
 
 
-def data_parallel(loss_fn: Callable[[Any, Any], jax.Array],
-                  optimizer: optax.GradientTransformation | dict[Any, optax.GradientTransformation],
-                  params_like: Any, mesh: Mesh | None = None, *, axis_name: str = "batch",
-                  mode: str = "packed", labels: Labels = None, comm_dtype: Any = None,
-                  root: int = 0, use_pmap: bool = False, has_aux: bool = False,
-                  has_state: bool = False, param_dtype: ParamDtype = None, accumulate: int = 1,
-                  accumulator: str = "local", **plan_options: Any) -> DataParallel:
-  """Build a jit-compiled data-parallel training step.
+def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
+                  params_like: Any, mesh: Mesh | None = None, *,
+                  mode: str | Mode = "packed", has_aux: bool = False,
+                  precision: Precision | None = None, accumulate: int = 1) -> DataParallel:
+  """Build a jit-compiled data-parallel training step over ``mesh``.
 
-  The batch is split over ``axis_name`` (leading dimension), gradients are averaged
-  across devices, and every device applies the same update. Initial parameters are
-  broadcast from device ``root`` so all replicas start equal (even if each process
-  initialised its own).
-
-  ``step`` takes the batch as a `jax.Array` already split over ``axis_name`` (used as
-  is), or as host values (numpy) or arrays on other devices, which it places: in a
-  single process they are the global batch, in a multi-process run this process's rows
-  of it. Each batch leaf's leading dimension must split evenly over the devices.
-  Every param leaf must be floating (or complex): it gets a gradient. On several CPU
-  devices ``step`` waits for the step 4 calls back before returning: XLA:CPU's
-  in-process collectives deadlock when ~40 steps are queued (jax 0.10.2).
+  The batch's leading dimension is split over the mesh's axis, gradients are averaged
+  in buckets, and every device applies the same update. ``init(params)`` broadcasts
+  device 0's params; ``init(params, model_state)`` also carries a model state (Flax's
+  ``batch_stats``): ``loss_fn`` is then called as ``loss_fn(params, model_state,
+  batch)`` and returns ``(loss, new_model_state)``. Modes (docs/zero.md):
+  ``"packed"`` keeps the params in buckets; ``"allreduce"`` keeps them a tree;
+  ``"sharded"`` (ZeRO-1) splits the optimizer state 1/N over the devices.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar loss`` on one device's batch slice
-      (with ``has_aux`` and ``has_state``, see there). A signature or a return value
-      that does not fit these flags raises a `TypeError` naming the flag to set.
-    optimizer: the optax optimizer (without any all-reduce: the step adds it, and a
-      `jpack.optax.allreduce` in it is refused), or a dict ``{label: optimizer}`` with
-      ``labels``.
-    params_like: the params tree, or a tree of `jax.ShapeDtypeStruct`; fixes the layout.
-    mesh: a 1-D `jax.sharding.Mesh` whose axis is ``axis_name`` (default: all devices);
-      other axes of size 1 are allowed, larger ones are refused.
-    axis_name: the data-parallel axis.
-    mode: which optax transformation the step runs:
-      ``"packed"`` (default): params live as a `jpack.Packed`; the loss unpacks them, so
-      gradients arrive packed (no per-step pack), and the step runs
-      ``optax.chain(jpack.optax.allreduce(axis_name, grad_norm=True),
-      jpack.optax.flat(optimizer))`` on the buckets.
-      ``"allreduce"``: params stay a tree, and the step runs
-      ``optax.chain(jpack.optax.allreduce(axis_name, grad_norm=True), optimizer)``,
-      which packs the gradients, reduces them bucket by bucket and unpacks them for the
-      optimizer.
-      ``"sharded"``: ZeRO-1, ``jpack.optax.sharded(optimizer, axis_name)`` on packed
-      params; each device updates its slice and the new params are all-gathered. The
-      parts of the optimizer that need whole leaves (adafactor, muon, sm3) run on each
-      device's own whole leaves, and ``layout`` is then planned so that no leaf crosses
-      a shard; lamb's trust ratio and a static ``mask=`` are computed leaf by leaf on
-      the slices.
-    labels: per-leaf labels (a tree like the params or a prefix of it, or
-      ``params -> tree``) choosing
-      each leaf's optimizer from the dict ``optimizer``, as in
-      `optax.multi_transform`: no weight decay on biases and norms, frozen leaves
-      (``optax.set_to_zero()``). Each label gets its own buckets, so this works in the
-      packed and ZeRO-1 modes too, where an ``optax.masked`` mask would see buckets.
-    comm_dtype: wire dtype of the gradient collectives (see `jpack.psum`).
-    root: the device whose initial parameters everyone gets.
-    use_pmap: build the step with `jax.pmap` instead of `jax.shard_map` (the state then
-      carries a leading device axis; ``step`` still takes the global batch and adds
-      the device axis itself). shard_map is faster and preferred.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``, as with ``jax.value_and_grad``;
-      ``aux`` (a tree of arrays or Python scalars, e.g. accuracy) is averaged over the
-      devices like the loss and returned as ``metrics["aux"]``; integers and bools are
-      averaged as float32 (a mean taken in uint8 would wrap), PRNG keys are refused.
-    has_state: the model has state that is not trained (Flax's ``batch_stats``):
-      ``loss_fn(params, model_state, batch)`` returns ``(loss, new_model_state)``, or
-      ``(loss, (new_model_state, aux))`` with ``has_aux``, like Flax's
-      ``model.apply(..., mutable=["batch_stats"])``; ``init(params, model_state)``
-      takes its first value, and `TrainState` carries it (replicated, broadcast from
-      ``root``). Floating leaves of the new state that differ between devices (batch
-      statistics of each device's own rows) are averaged over the axis every step;
-      leaves the model already keeps equal (``nn.BatchNorm(axis_name=axis_name)``
-      computes its statistics over the whole batch) are kept as they are. With
-      ``accumulate``, each micro-batch sees the state the previous one left.
-    param_dtype: mixed precision, in the "packed" and "sharded" modes: the params are
-      kept, and the loss sees them, in this dtype (``jnp.bfloat16``; a tree of dtypes,
-      with None for leaves to keep, or a function of the params, as in
-      `jpack.cast_params`). The optimizer updates master copies in the dtype of
-      ``params_like`` (float32), replicated in "packed" mode and sharded 1/N like the
-      moments in "sharded" mode; gradients are reduced in the masters' dtype (or
-      ``comm_dtype``), and in "sharded" mode the new params are all-gathered in
-      ``param_dtype``. ``init`` takes the full-precision params.
-    accumulate: micro-batches per step. Each device splits its rows of every batch leaf
-      into ``accumulate`` equal, consecutive micro-batches and runs them one after the
-      other (`jax.lax.scan`), adding their gradients in float32 (or the masters'
-      dtype) buckets; the sum is reduced once per step, so the step computes the update
-      of the whole batch with the activation memory of one micro-batch. The loss and
-      aux are the means over the micro-batches.
-    accumulator: where the accumulated gradients live with ``accumulate > 1``:
-      ``"local"`` (default): full buckets on every device, one reduction per step.
-      ``"sharded"`` (mode "sharded" only, ZeRO-2's gradient memory): every micro-step's
-      gradients are reduce-scattered into this device's 1/N slice, ``accumulate``
-      reduce-scatters per step instead of one, for 1/N of the accumulator's memory.
-    **plan_options: options for `jpack.plan`.
+    loss_fn: ``loss_fn(params, batch) -> loss`` on one device's slice of the batch.
+    optimizer: an optax transformation (no all-reduce in it), or
+      `jpack.optax.partition` of several by label.
+    params_like: the params tree, or a tree of `jax.ShapeDtypeStruct`.
+    mesh: a mesh with one data-parallel axis (default: all devices, axis "batch").
+    mode: ``"packed"``, ``"allreduce"``, ``"sharded"``, or a `jpack.Mode`.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged into ``metrics``.
+    precision: a `jpack.Precision`: bf16 params with f32 masters, a narrow wire.
+    accumulate: micro-batches per step, their gradients summed before one reduction.
 
   Returns:
-    `DataParallel` with ``init(params) -> TrainState``,
-    ``step(state, batch) -> (state, {"loss", "grad_norm"[, "aux"]})`` (which donates
-    the state it is given: see `TrainState`),
-    ``params(state) -> tree``
-    and the params ``layout``.
+    `DataParallel`: ``init``, ``step(state, batch) -> (state, metrics)`` (metrics
+    ``"loss"``, ``"grad_norm"`` and ``"aux"``), ``unpack(state) -> params`` and the
+    ``layout``.
+
+  Example::
+
+    dp = jpack.data_parallel(loss_fn, optax.adamw(1e-3), params)
+    state = dp.init(params)
+    state, metrics = dp.step(state, batch)
   """
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-  check_accumulate(accumulate, accumulator, mode)
-  check_loss_fn(loss_fn, has_aux, has_state)
-  if param_dtype is not None and mode == "allreduce":
-    raise ValueError("param_dtype= needs mode='packed' or mode='sharded', where the "
-                     "optimizer keeps master copies of the packed params; mode='allreduce' "
-                     "runs the optimizer on the params tree as given.")
-  mesh = _check_mesh(mesh, axis_name)
-  check_inner(optimizer, labels)
+  mode = _check_mode(mode)
+  param_dtype, comm_dtype = check_precision(precision)
+  inner, labels = split_partition(optimizer)
+  check_accumulate(accumulate)
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+  if param_dtype is not None and mode.name == "allreduce":
+    raise ValueError("Precision(param_dtype=...) needs mode='packed' or mode='sharded', "
+                     "where the optimizer keeps master copies of the packed params; "
+                     "mode='allreduce' runs the optimizer on the params tree as given.")
+  mesh, axis_name = _check_mesh(mesh)
+  check_inner(inner, labels)
   _check_not_flax_variables(params_like)
-  if "group_fn" in plan_options:
-    raise TypeError("data_parallel takes labels=, not group_fn=: it groups the buckets by "
-                    "label itself (pass labels= with a dict of optimizers, or a plain "
-                    "optimizer).")
-  defaults, compiler_options = step_options(mesh, axis_name, sharded=mode == "sharded")
-  plan_options = {**defaults, **plan_options}
+  sharded_mode = mode.name == "sharded"
+  plan_options, compiler_options = cpu.step_defaults(mesh.devices.flat, sharded_mode,
+                                                     mesh.shape[axis_name])
   narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
   layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
   _check_trainable(layout)
+  where = f"inside data_parallel's optimizer (mode={mode.name!r})"
+  if sharded_mode:  # whole leaves on each device, where the optimizer needs them
+    layout = sharded_layout(inner, layout, axis_name, where, **plan_options)
   # The gradients' dtypes as the optimizer takes them: the masters', or the params'.
-  # On a miniature of the params: the optimizer on buckets or slices against the tree,
-  # and no collective over the axis where every device holds the whole gradient.
-  where = f"inside data_parallel's optimizer (mode={mode!r})"
-  if mode == "sharded":  # whole leaves on each device, where the optimizer needs them
-    layout = sharded_layout(optimizer, layout, axis_name, where, **plan_options)
   masters = layout if param_dtype is None else master_layout(layout, params_like)
-  if mode != "sharded":
-    checker(optimizer, on="buckets" if mode == "packed" else "tree", axis_name=axis_name,
-            where=where, instead="mode='allreduce', which runs it on the params tree")(masters)
-  tx = _transformation(mode, optimizer, labels, axis_name, comm_dtype, param_dtype,
-                       plan_options)
-  packed_params = mode in ("packed", "sharded")
+  if not sharded_mode:
+    checker(inner, on="buckets" if mode.name == "packed" else "tree",
+            axis_name=axis_name, where=where,
+            instead="mode='allreduce', which runs it on the params tree")(masters)
+  tx = _transformation(mode.name, optimizer, axis_name, comm_dtype, param_dtype, plan_options)
+  packed_params = mode.name in ("packed", "sharded")
 
   def local_init(params, model_state=None):
     if model_state is not None:
-      model_state = broadcast(model_state, axis_name, root=root)
+      model_state = broadcast(model_state, axis_name)
     if param_dtype is not None:  # the optimizer keeps the full-precision masters
-      params = broadcast(params, axis_name, root=root)
+      params = broadcast(params, axis_name)
       return TrainState(pack(cast_params(params, param_dtype), layout), tx.init(params),
                         jnp.zeros((), jnp.int32), model_state)
     if isinstance(params, Packed):  # packed on the host (`_packed_on_host`)
-      params = broadcast(params, axis_name, root=root)
+      params = broadcast(params, axis_name)
     else:
-      params = broadcast(params, axis_name, root=root, layout=layout)
+      params = broadcast(params, axis_name, layout=layout)
       if packed_params:
         params = pack(params, layout)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), model_state)
 
-  grads_fn = accumulated_grads(with_state(loss_fn, has_aux, has_state), packed_params,
+  accumulator = "sharded" if mode.shard_accumulator else "local"
+  grads_fn = accumulated_grads(with_state(loss_fn, has_aux), packed_params,
                                 axis_name, masters, accumulate, accumulator, comm_dtype)
-  local_step = _per_device_step(grads_fn, tx, mode, axis_name, has_aux)
-
-  def to_tree(state):
-    return unpack(state.params) if packed_params else state.params
+  local_step = _per_device_step(grads_fn, tx, mode.name, axis_name, has_aux)
 
   # What init takes: the params as params_like describes them (full precision).
   init_layout = layout if param_dtype is None else plan(params_like, **plan_options)
   # Params that init's program takes packed: a few buckets, not an input, a broadcast,
-  # a slice and a pack per leaf (with 4000 leaves that program took a minute to compile).
+  # a slice and a pack per leaf, which compiles slowly for thousands of leaves.
   host_packed = packed_params and param_dtype is None
-  if use_pmap:
-    dp = _build_pmap(local_init, local_step, to_tree, params_like, init_layout, axis_name,
-                     mesh, mode, accumulate, has_state, host_packed)
-  else:
-    dp = _build_shard_map(local_init, local_step, to_tree, params_like, init_layout,
-                          axis_name, mesh, mode, accumulate, has_state, compiler_options,
-                          host_packed)
+  dp = _build(local_init, local_step, packed_params, params_like, init_layout, axis_name,
+              mesh, mode.name, accumulate, compiler_options, host_packed,
+              functools.partial(check_loss_fn, loss_fn, has_aux))
   return dp._replace(layout=layout)
 
 
-def step_options(mesh: Mesh | None = None, axis_name: str = "batch", *,
-                 sharded: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """The plan options and XLA compiler options `data_parallel` uses on ``mesh``.
 
   For a hand-written step, so that it compiles to `data_parallel`'s program: pass the
-  first to `jpack.plan` and the second to your ``jax.jit``. On CPU devices (and TPUs)
-  the compiler options are empty. On GPUs they let XLA merge the buckets' all-reduces
-  without copying them into one buffer, and keep ZeRO-1's reduce-scatters apart; the
-  plan options keep every matrix in a bucket of its own (docs/gpu.md).
+  first to `jpack.plan` (or `jpack.pmean`) and the second to your ``jax.jit``. On CPU
+  devices (and TPUs) the compiler options are empty; on GPUs they merge the buckets'
+  all-reduces without copies and keep every matrix in a bucket of its own (docs/gpu.md).
 
   Args:
-    mesh: the data-parallel mesh (default: all devices).
-    axis_name: its data-parallel axis.
-    sharded: options for ZeRO-1 (`jpack.optax.sharded`): buckets padded into equal
-      shards on every backend.
+    mesh: the data-parallel mesh (default: all devices, axis "batch").
+    mode: the mode the step runs, as in `data_parallel`.
 
   Returns:
     ``(plan_options, compiler_options)``, two dicts.
@@ -266,30 +197,45 @@ def step_options(mesh: Mesh | None = None, axis_name: str = "batch", *,
   Example::
 
     plan_options, compiler_options = jpack.step_options(mesh)
-    layout = jpack.plan(params, **plan_options)
     step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=..., out_specs=...),
                    compiler_options=compiler_options)
   """
-  mesh = _check_mesh(mesh, axis_name)
-  return cpu.step_defaults(mesh.devices.flat, sharded, mesh.shape[axis_name])
+  mesh, axis_name = _check_mesh(mesh)
+  return cpu.step_defaults(mesh.devices.flat, _check_mode(mode).name == "sharded",
+                           mesh.shape[axis_name])
 
 
-def _check_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
-  """The mesh to run on (all devices by default): a 1-D mesh over ``axis_name``."""
+def _check_mode(mode: str | Mode) -> Mode:
+  if isinstance(mode, str):
+    mode = Mode(mode)
+  if not isinstance(mode, Mode):
+    raise TypeError(f"mode must be one of {MODES} or a jpack.Mode, got "
+                    f"{type(mode).__name__}.")
+  if mode.name not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode.name!r}.")
+  if mode.shard_accumulator and mode.name != "sharded":
+    raise ValueError("Mode(shard_accumulator=True) reduce-scatters every micro-batch's "
+                     "gradients into this device's slice, which only mode 'sharded' "
+                     f"updates; got Mode({mode.name!r}, shard_accumulator=True).")
+  return mode
+
+
+def _check_mesh(mesh: Mesh | None) -> tuple[Mesh, str]:
+  """The mesh to run on (all devices by default) and its data-parallel axis."""
   if mesh is None:
-    mesh = jax.make_mesh((len(jax.devices()),), (axis_name,),
+    mesh = jax.make_mesh((len(jax.devices()),), ("batch",),
                          axis_types=(jax.sharding.AxisType.Explicit,))
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
-  others = {a: k for a, k in mesh.shape.items() if a != axis_name and k > 1}
-  if others:
-    # The step would run replicated over the other axes, and the batch and state specs
-    # would name only one of them: refuse rather than compute the same step k times.
-    raise ValueError(f"data_parallel needs a 1-D mesh over {axis_name!r}; the mesh "
-                     f"{dict(mesh.shape)} also has axes {others} of size > 1. Pass a mesh "
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+  names = [a for a, k in mesh.shape.items() if k > 1] or list(mesh.axis_names[-1:])
+  if len(names) > 1:
+    # The batch and state specs name one axis: the step would run replicated over the
+    # others, computing the same step several times.
+    raise ValueError(f"data_parallel needs a mesh with one data-parallel axis; the mesh "
+                     f"{dict(mesh.shape)} has {len(names)} axes of size > 1. Pass a mesh "
                      f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
-                     f"({axis_name!r},)).")
-  return mesh
+                     f"('batch',)).")
+  return mesh, names[0]
 
 
 def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
@@ -342,9 +288,8 @@ def _packed_like(layout: Layout) -> Packed:
                 layout)
 
 
-def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                     mode, accumulate, has_state, compiler_options,
-                     host_packed) -> DataParallel:
+def _build(local_init, local_step, packed_params, params_like, layout, axis_name, mesh,
+           mode, accumulate, compiler_options, host_packed, check_loss) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.shard_map`: the state
   replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
   replicated = NamedSharding(mesh, P())
@@ -353,9 +298,8 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
       _packed_like(layout) if host_packed else
       jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                    params_like))
-  state_specs = _state_specs(state_shapes, axis_name, mode)
-  if has_state:  # replicated, whatever its structure (known only at init)
-    state_specs = state_specs._replace(model_state=P())
+  # The model state is replicated, whatever its structure (known only at init).
+  state_specs = _state_specs(state_shapes, axis_name, mode)._replace(model_state=P())
 
   init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=state_specs))
   step_sm = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(axis_name)),
@@ -363,15 +307,13 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
                     compiler_options=compiler_options or None)
 
   def init(params, model_state=None):
-    _check_model_state(model_state, has_state)
+    check_loss(model_state is not None)
     _check_same_layout(params, layout)
     params = _packed_on_host(params, layout, host_packed)
     return init_sm(*jax.tree.map(lambda x: replicate(x, replicated), (params, model_state)))
 
   batch_sharding = NamedSharding(mesh, P(axis_name))
-
   bounded = cpu.bound_in_flight(list(mesh.devices.flat))
-
   specs_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs,
                                  is_leaf=lambda x: isinstance(x, P))
 
@@ -415,28 +357,41 @@ def _build_shard_map(local_init, local_step, to_tree, params_like, layout, axis_
     return step_sm.lower(state, batch)
 
   step.lower = lower
-  # Called outside jit, `unpack` copies CPU buckets' leaves out with no compilation
-  # (elsewhere it compiles one program); jit(to_tree) would compile a kernel per leaf.
-  tree_of = to_tree if mode != "allreduce" else jax.jit(to_tree)
+  # Outside jit, `unpack` copies CPU buckets' leaves out with no compilation (elsewhere
+  # it compiles one program); jit(unpack) would compile a kernel per leaf.
+  local = mesh.devices.flat[0] if mesh.devices.flat[0] in jax.local_devices() else (
+      next(d for d in mesh.devices.flat if d in jax.local_devices()))
 
-  def params(state):
+  def unpack_state(state):
     _check_not_donated(state, _READ_FIX)
-    return tree_of(state)
+    tree = unpack(state.params) if packed_params else state.params
+    return jax.tree.map(lambda x: _on_one_device(x, local), tree)
 
-  return DataParallel(init, step, params, layout)
+  return DataParallel(init, step, unpack_state, layout)
 
 
-def _transformation(mode: str, optimizer: Any, labels: Labels, axis_name: str,
-                    comm_dtype: Any, param_dtype: ParamDtype, plan_options: Mapping[str, Any]
+def _on_one_device(x: Any, device: Any) -> Any:
+  """A replicated array as one device's copy (no copy made): usable outside jit with
+  arrays the user made, which live on one device, as a mesh-sharded array is not."""
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return x
+  if len(x.sharding.device_set) == 1:
+    return x
+  for piece in x.addressable_shards:
+    if piece.device == device and piece.data.shape == x.shape:
+      return piece.data
+  return x
+
+
+def _transformation(mode: str, optimizer: Any, axis_name: str, comm_dtype: Any,
+                    param_dtype: ParamDtype, plan_options: Mapping[str, Any]
                     ) -> optax.GradientTransformationExtraArgs:
   """The mode's optax transformation."""
   if mode == "sharded":
-    return sharded(optimizer, axis_name, labels=labels, comm_dtype=comm_dtype,
-                   param_dtype=param_dtype, **plan_options)
+    return sharded(optimizer, axis_name, comm_dtype=comm_dtype, param_dtype=param_dtype,
+                   **plan_options)
   if mode == "packed":  # packed gradients: the optimizer runs on their buckets
-    update = flat(optimizer, labels=labels, param_dtype=param_dtype, **plan_options)
-  elif isinstance(optimizer, Mapping):
-    update = multi_transform(optimizer, labels)
+    update = flat(optimizer, param_dtype=param_dtype, **plan_options)
   else:
     update = with_extra_args(optimizer)
   reduce = allreduce(axis_name, comm_dtype=comm_dtype, grad_norm=True, **plan_options)
@@ -471,9 +426,8 @@ def _check_trainable(layout: Layout) -> None:
           "must be a floating (or complex) array. An integer, bool or PRNG-key leaf in "
           "the params looks like model state that is not trained (a BatchNorm counter, "
           "Haiku's state from hk.transform_with_state, Flax's batch_stats): pass it apart, "
-          "as model_state, with data_parallel(..., has_state=True), "
-          "loss_fn(params, model_state, batch) -> (loss, new_model_state) and "
-          "dp.init(params, model_state). Other counters, masks and PRNG keys: close over "
+          "as the model state: dp.init(params, model_state), and "
+          "loss_fn(params, model_state, batch) -> (loss, new_model_state). Other counters, masks and PRNG keys: close over "
           "them in loss_fn or pass them in the batch. " + PARTITION_HINT)
 
 
@@ -493,16 +447,6 @@ def _check_same_layout(params: Any, layout: Layout) -> None:
   against the checkpoint's fingerprint instead)."""
   if outside_jit(jax.tree.leaves(params)):
     assert_same_layout(layout)
-
-
-def _check_model_state(model_state: Any, has_state: bool) -> None:
-  if has_state and model_state is None:
-    raise TypeError("data_parallel(..., has_state=True) carries a model state: pass its "
-                    "first value, init(params, model_state) (e.g. "
-                    "variables['batch_stats']).")
-  if not has_state and model_state is not None:
-    raise TypeError("init got a model_state, but the step was built without "
-                    "has_state=True, so loss_fn would never see it.")
 
 
 def _check_state(state: TrainState, mode: str) -> None:
@@ -532,64 +476,3 @@ def _check_not_donated(state: TrainState, fix: str) -> None:
         "This TrainState was already passed to step(), which donates the whole state "
         "(params, opt_state, step and model_state): its buffers are reused for the new "
         f"state, and these are deleted. {fix}")
-
-
-def _build_pmap(local_init, local_step, to_tree, params_like, layout, axis_name, mesh,
-                mode, accumulate, has_state, host_packed) -> DataParallel:
-  """`DataParallel` running the per-device functions under `jax.pmap`: the state carries a
-  leading device axis, and the global batch is split into it."""
-  del params_like
-  n = mesh.shape[axis_name]
-  devices = list(mesh.devices.flat)
-  init_p = jax.pmap(local_init, axis_name=axis_name, devices=devices)
-  step_p = jax.pmap(local_step, axis_name=axis_name, devices=devices, donate_argnums=0)
-
-  def init(params, model_state=None):
-    _check_model_state(model_state, has_state)
-    _check_same_layout(params, layout)
-    params = _packed_on_host(params, layout, host_packed)
-    def stack(x):  # a tracer when init itself is traced (jax.eval_shape, jit)
-      if isinstance(x, jax.core.Tracer):
-        return jnp.broadcast_to(x, (n,) + x.shape)
-      return np.broadcast_to(np.asarray(x), (n,) + np.shape(x))
-
-    return init_p(*jax.tree.map(stack, (params, model_state)))
-
-  def split(path, x):
-    check_splits(path, np.shape(x), n, axis_name)
-    if isinstance(x, jax.Array):  # PRNG key arrays have no numpy form
-      return x.reshape((n, -1) + x.shape[1:])
-    return np.reshape(np.asarray(x), (n, -1) + np.shape(x)[1:])
-
-  bounded = cpu.bound_in_flight(list(mesh.devices.flat))
-
-  def on_fewer_devices(x):  # restored onto one device: pmap takes host rows, not these
-    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-            and len(x.sharding.device_set) != len(devices))
-
-  def as_host_rows(state):
-    return jax.tree.map(lambda x: np.asarray(x) if on_fewer_devices(x) else x, state)
-
-  def step(state, batch):
-    _check_state(state, mode)
-    check_micro_batches(batch, n, accumulate)
-    if on_fewer_devices(state.step):  # a whole state restored onto one device
-      state = as_host_rows(state)
-    batch = jax.tree_util.tree_map_with_path(split, batch)
-    try:
-      state, metrics = step_p(state, batch)
-    except ValueError:
-      # Part of the state (opt_state) restored onto one device, with a placed counter:
-      # pmap refuses it before running (nothing donated); checked only here, so a placed
-      # state costs nothing per leaf.
-      if not any(on_fewer_devices(x) for x in jax.tree.leaves(state)):
-        raise
-      state, metrics = step_p(as_host_rows(state), batch)
-    bounded(metrics["loss"])
-    return state, jax.tree.map(lambda m: m[0], metrics)
-
-  def params(state):
-    _check_not_donated(state, _READ_FIX)
-    return to_tree(jax.tree.map(lambda x: x[0], state))
-
-  return DataParallel(init, step, params, layout)

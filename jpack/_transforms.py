@@ -22,7 +22,7 @@ from jpack._leafwise import on_buckets
 from jpack._pack import Packed, pack, unpack
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
-from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed
+from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed, split_partition
 from jpack._probe import Recent, checker, described, identity, refused
 
 logger = logging.getLogger("jpack")
@@ -219,7 +219,7 @@ def layout_state_repr(state: Any) -> str:
           f"inner_state={state.inner_state!r})")
 
 
-def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
+def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
          **plan_options: Any) -> optax.GradientTransformation:
   """Run ``inner`` on flat per-dtype buckets instead of on every leaf.
 
@@ -239,15 +239,8 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
       unpacked from the buckets, and its updates are packed back. Of an `optax.chain`,
       only the parts that need the leaves run on them (adam's moments stay on buckets).
       ``init`` finds out which, by probing (see ``Raises``), and logs it once on the
-      ``"jpack"`` logger (INFO). Or a dict ``{label: transformation}`` used with
-      ``labels``.
-    labels: per-leaf labels, as in `optax.multi_transform`: a tree of labels with the
-      structure of the params (or a prefix of it: one label for a whole subtree), or a
-      function ``params -> tree of labels``. Labels need not be strings (``True``,
-      ``0``); the state is keyed by them as `optax.multi_transform`'s is. Leaves with
-      different labels go to different buckets, and bucket ``i`` is updated by
-      ``inner[label_i]``. Use it for masks: ``{"decay": optax.adamw(1e-3),
-      "no_decay": optax.adam(1e-3), "frozen": optax.set_to_zero()}``.
+      ``"jpack"`` logger (INFO). A `jpack.optax.partition` gives each label its own
+      buckets, updated by that label's transformation.
     param_dtype: mixed precision (see `jpack.cast_params` for the forms it takes): the
       params are kept in this dtype (``jnp.bfloat16``), and the state keeps master
       copies in the dtype the params had at ``init`` (pass them in full precision).
@@ -290,6 +283,7 @@ def flat(inner: Inner, *, labels: Labels = None, param_dtype: ParamDtype = None,
     >>> round(float(updates["w"][0, 0]), 4), bool((updates["b"] == 0).all())
     (-0.01, True)
   """
+  inner, labels = split_partition(inner)
   check_inner(inner, labels)
   check_plan_options(plan_options, "jpack.optax.flat")
   where = "inside jpack.optax.flat"

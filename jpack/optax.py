@@ -1,4 +1,4 @@
-"""optax integration: all-reduce in a chain, optimizers on flat buckets, ZeRO-1, checkpoints."""
+"""optax integration: all-reduce in a chain, optimizers on flat buckets, ZeRO-1."""
 
 from jpack._sharded import ShardedState as ShardedState
 from jpack._sharded import clip_by_global_norm as clip_by_global_norm
@@ -8,10 +8,7 @@ from jpack._transforms import AllReduceState as AllReduceState
 from jpack._transforms import FlatState as FlatState
 from jpack._transforms import allreduce as allreduce
 from jpack._transforms import flat as flat
-from jpack._checkpoint import gather_state as gather_state
-from jpack._checkpoint import restore_checkpoint as restore_checkpoint
-from jpack._checkpoint import save_checkpoint as save_checkpoint
-from jpack._checkpoint import scatter_state as scatter_state
+from jpack._labels import partition as partition
 
 __all__ = [
     "AllReduceState",
@@ -20,10 +17,7 @@ __all__ = [
     "allreduce",
     "clip_by_global_norm",
     "flat",
-    "gather_state",
-    "restore_checkpoint",
-    "save_checkpoint",
-    "scatter_state",
+    "partition",
     "sharded",
     "state_bytes_per_device",
 ]

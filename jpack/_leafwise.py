@@ -1,4 +1,5 @@
-"""Per-leaf transformations computed on buckets: lamb's trust ratio and weight-decay masks.
+"""Per-leaf transformations computed on buckets: lamb's trust ratio, weight-decay masks
+and global-norm clipping.
 
 Two parts of the optimizers users bring first read each leaf as a whole, yet need only
 one number per leaf: `optax.scale_by_trust_ratio` (in lamb, lars, fromage) scales each
@@ -38,6 +39,7 @@ _EXTRA_ARGS_CODE = optax.with_extra_args_support(
     optax.GradientTransformation(lambda p: None, lambda u, s, p=None: (u, s))).update.__code__
 _TRUST_RATIO_CODE = optax.scale_by_trust_ratio().update.__code__
 _MASKED_CODE = optax.masked(optax.identity(), lambda p: p).update.__code__
+_CLIP_CODE = optax.clip_by_global_norm(1.0).update.__code__
 
 
 def on_buckets(tx: Any, layout: Layout, axis_name: Any,
@@ -68,6 +70,9 @@ def on_buckets(tx: Any, layout: Layout, axis_name: Any,
   if code is _TRUST_RATIO_CODE:
     found = _closure(tx.update, ("min_norm", "trust_coefficient", "eps"))
     return None if found is None else trust_ratio(layout, axis_name, *found)
+  if code is _CLIP_CODE:
+    found = _closure(tx.update, ("max_norm",))
+    return None if found is None else clip_by_global_norm(found[0], axis_name)
   if code is _MASKED_CODE:
     found = _closure(tx.update, ("inner", "mask"))
     if found is None:
@@ -110,6 +115,24 @@ def _closure(fn: Callable[..., Any], names: tuple[str, ...]) -> tuple[Any, ...] 
   if not all(name in found for name in names):  # another optax: left to the probe
     return None
   return tuple(found[name] for name in names)
+
+
+def clip_by_global_norm(max_norm: Any, axis_name: Any
+                        ) -> optax.GradientTransformationExtraArgs:
+  """`optax.clip_by_global_norm` on buckets, or on slices of them over ``axis_name``
+  (the padding between leaves is zero and adds nothing to the norm)."""
+
+  def update(buckets, state, params=None, **extra_args):
+    del params, extra_args
+    squares = sum(jnp.sum(jnp.square(b.astype(jnp.float32))) for b in buckets)
+    if axis_name is not None:
+      squares = lax.psum(squares, axis_name)
+    norm = jnp.sqrt(squares)
+    trigger = norm < max_norm
+    return tuple(lax.select(trigger, b, (b / norm.astype(b.dtype)) * max_norm)
+                 for b in buckets), state
+
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def static_mask(mask: Any, layout: Layout) -> tuple[bool, ...] | None:

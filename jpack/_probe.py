@@ -47,8 +47,8 @@ flow.
 Devices and collectives: two devices are simulated, one after the other, so the verdict
 does not depend on the real device count. A collective in the transformation then
 raises (no axis is bound); on slices the run is repeated under `jax.vmap` with the axis
-name bound, so collectives run for real: `jpack.optax.clip_by_global_norm` with the axis
-sums its squares over the devices and passes, a second reduce adds up different slices
+name bound, so collectives run for real: a global norm that sums its squares over the
+devices passes, a second reduce adds up different slices
 and is refused (the reference runs under a vmap of one device, where a collective sees
 the whole gradient). Where every device holds the whole gradient (flat, and
 data_parallel's other modes) a collective over the axis is refused outright: a second
@@ -826,9 +826,8 @@ def _collective(error: NameError, tx: Any, mini: _Mini, on: str,
       f"it computes a statistic over {axis_name!r} ({prim}), but every device holds the "
       "whole gradient there, so the devices' copies add up (a global norm comes out "
       "sqrt(N) times too big)."),
-      "Leave the axis out (jpack.optax.clip_by_global_norm(max_norm) or "
-      "optax.clip_by_global_norm): an axis is right only on ZeRO-1 slices "
-      "(jpack.optax.sharded, data_parallel(mode='sharded')).", error)
+      "Leave the axis out (optax.clip_by_global_norm(max_norm) computes the right norm "
+      "in every mode): an axis is right only on ZeRO-1 slices.", error)
 
 
 def _equations(jaxpr: Any):

@@ -90,16 +90,15 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
   Args:
     inner: an optax transformation, or a `jpack.optax.partition` of several (each label
       gets its own buckets). Elementwise ones (sgd, momentum, adam, adamw, lion, chains with
-      schedules, `jpack.optax.clip_by_global_norm(..., axis_name)`) run on the slices.
-      A trust ratio (lamb's) and a mask that is static per leaf (``adamw(mask=...)``)
-      are computed leaf by leaf on the slices (one small psum of the leaves' norms).
+      schedules) run on the slices. ``optax.clip_by_global_norm``, a trust ratio (lamb's)
+      and a mask that is static per leaf (``adamw(mask=...)``) are computed on the slices
+      with one small psum of their sums of squares.
       The other parts that need whole leaves (adafactor, muon, sm3) run on each
       device's own whole leaves, with their state for those leaves only: ``init`` then
       plans a layout whose shards hold whole leaves (each padded to the fullest), and
       logs it once (INFO, ``"jpack"`` logger).
       ``init`` probes which, on a miniature of the params. What needs more than a
-      device's own leaves (``optax.clip_by_global_norm`` without an axis,
-      ``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`
+      device's own leaves (``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`
       (``data_parallel(mode="packed")``) runs it on all the leaves.
     axis_name: the data-parallel mesh / pmap axis.
     comm_dtype: wire dtype of the gradient reduce-scatter (see `jpack.psum`).
@@ -300,40 +299,6 @@ def sharded_layout(inner: Inner, layout: Layout, axis_name: Any, where: str,
   leaves where ``inner`` needs them. Raises `TypeError` where ``inner`` cannot run on
   ZeRO-1 at all (see `ownership`). Silent: `sharded`'s ``init`` says what runs where."""
   return ownership(inner, axis_name, where, plan_options, log=False)(layout)[0]
-
-
-def clip_by_global_norm(max_norm: float, axis_name: Any = None) -> optax.GradientTransformation:
-  """`optax.clip_by_global_norm` that also works on sharded slices.
-
-  With ``axis_name``, the norm is ``sqrt(psum(local sum of squares))`` over the axis:
-  the norm of the whole gradient when each device holds a disjoint slice (inside
-  `sharded`). Without it, identical to `optax.clip_by_global_norm`: use that after
-  `jpack.optax.allreduce` (or anywhere every device holds the whole gradient), where
-  an ``axis_name`` would count each value N times and clip by sqrt(N) times the norm.
-
-  Args:
-    max_norm: the largest global norm allowed.
-    axis_name: the axis the gradient is sharded over (inside `sharded`), or None for
-      a gradient every device holds whole.
-
-  Returns:
-    A stateless `optax.GradientTransformation`.
-  """
-
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    squares = sum_of_squares(jax.tree.leaves(updates))
-    if axis_name is not None:
-      squares = lax.psum(squares, axis_name)
-    norm = jnp.sqrt(squares)
-    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-    return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def state_bytes_per_device(state: ShardedState, num_devices: int) -> int:

@@ -1,7 +1,6 @@
 """optax integration: all-reduce in a chain, optimizers on flat buckets, ZeRO-1."""
 
 from jpack._sharded import ShardedState as ShardedState
-from jpack._sharded import clip_by_global_norm as clip_by_global_norm
 from jpack._sharded import sharded as sharded
 from jpack._sharded import state_bytes_per_device as state_bytes_per_device
 from jpack._transforms import AllReduceState as AllReduceState
@@ -15,7 +14,6 @@ __all__ = [
     "FlatState",
     "ShardedState",
     "allreduce",
-    "clip_by_global_norm",
     "flat",
     "partition",
     "sharded",

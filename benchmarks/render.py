@@ -259,6 +259,81 @@ def render_readme(results: Results) -> str:
   return "\n\n".join([markdown_table(columns, out), note, machine_line(doc)])
 
 
+# The README's comparison: the GPT-2-like model on CPU, the four real workloads compiled
+# for GPUs, each with the baseline it is compared against.
+HEADLINE_CPU = (("packed", "jit", '`mode="packed"`'),
+                ("sharded", "jit_zero1", '`mode="sharded"` (ZeRO-1)'))
+HEADLINE_GPU = ("gpt2_small", "bert_base", "resnet50", "mixed_llama_tiny")
+
+
+def _fewer(ours: Sequence[float], theirs: Sequence[float]) -> str:
+  """``14–39 % fewer``: the range over workloads of 1 - ours/theirs."""
+  shares = sorted(round(100 * (1 - a / b)) for a, b in zip(ours, theirs))
+  if not shares:
+    return "-"
+  span = f"{shares[0]}" if shares[0] == shares[-1] else f"{shares[0]}–{shares[-1]}"
+  return f"{span} % fewer" if shares[0] >= 0 else f"{span} % (negative: more)"
+
+
+def _overlap_cell(rows: Sequence[Row]) -> str:
+  """``all`` when every collective of every workload overlaps compute, else the workload
+  with the most left alone: ``107 of 208 (resnet50)``."""
+  worst = None
+  for r in rows:
+    done, total = (int(x) for x in r["cells"]["overlapped"].split("/"))
+    if done < total and (worst is None or total - done > worst[1] - worst[0]):
+      worst = (done, total, r["values"]["workload"])
+  return "all" if worst is None else f"{worst[0]} of {worst[1]} on {worst[2]}"
+
+
+def render_headline(results: Results) -> str:
+  """The README's one table: jpack against `jax.jit` + `NamedSharding` and against a
+  per-leaf `shard_map` step, step time on CPU and the program compiled for GPUs."""
+  step, gpu = results.get("step"), results.get("gpu_compile")
+  if not step or not gpu:
+    return _missing("step" if not step else "gpu_compile")
+  rows = next((_by_key(t) for t in _step_tables(step) if _model(t) == "gpt2_12x64"), {})
+  out = []
+  for key, jit, label in HEADLINE_CPU:
+    if key in rows:
+      out.append([f"CPU step time, GPT-2-like, {label}",
+                  _speedup(rows.get(jit), rows[key]) + " faster",
+                  _speedup_and_spread(rows.get("per_leaf"), rows[key]) + " faster"])
+  by_workload = {t["rows"][0]["values"]["workload"]: _by_key(t)
+                 for t in _tables(gpu, "variant", "kernels", "HBM MiB (est.)")}
+  found = [by_workload[w] for w in HEADLINE_GPU if w in by_workload]
+  ours = [r["packed"] for r in found]
+  for what, value in (("kernels launched", "kernels"), ("bytes moved (HBM, est.)", "hbm_bytes")):
+    out.append([f"GPU {what}, `mode=\"packed\"`",
+                *(_fewer([o["values"][value] for o in ours],
+                         [r[base]["values"][value] for r in found]) for base in ("jit", "per_leaf"))])
+  out.append(["GPU collectives overlapped with compute, `mode=\"packed\"`",
+              *(f"{_overlap_cell(ours)}; {name}: {_overlap_cell([r[key] for r in found])}"
+                for key, name in (("jit", "jit"), ("per_leaf", "per-leaf")))])
+  mib = lambda r: r["values"]["args_bytes"] / 2**20 if "args_bytes" in r["values"] else float(
+      r["cells"]["args MiB"].replace(",", ""))
+  gpt2 = by_workload.get("gpt2_small", {})
+  if "sharded" in gpt2:
+    out.append(["GPU params + optimizer state per device, GPT-2 small, ZeRO-1",
+                f"{mib(gpt2['sharded']):,.0f} MiB (jit ZeRO-1: {mib(gpt2['jit_zero1']):,.0f})",
+                f"{mib(gpt2['sharded']):,.0f} MiB (per-leaf: {mib(gpt2['per_leaf']):,.0f})"])
+  note = (f"CPU: {_model_title(step, 'gpt2_12x64')}; the baseline's step time over "
+          "jpack's, in the same run, with the lowest and highest over interleaved rounds. "
+          f"GPU: {', '.join(HEADLINE_GPU)} compiled for 8 H100s (not run), the range "
+          "over the four. Machines, commands and every table: "
+          "[docs/performance.md](docs/performance.md), [docs/gpu.md](docs/gpu.md).")
+  return "\n\n".join([markdown_table(["jpack against", "`jax.jit` + `NamedSharding`",
+                                       "per-leaf `shard_map` step"], out), note])
+
+
+def _model_title(doc: Mapping[str, Any], model: str) -> str:
+  """A step table's title up to its model's description: "GPT-2 decoder 12x64 (...)"."""
+  for t in _step_tables(doc):
+    if _model(t) == model:
+      return t["title"].rsplit("), ", 1)[0] + ")"
+  return model
+
+
 # The real architectures, and the modes the README's "skip it when" shows on them.
 REAL_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow")
 REAL_MODEL_KEYS = (("packed", '`mode="packed"`'), ("sharded", '`mode="sharded"`'),
@@ -458,6 +533,7 @@ def _commands(doc: Mapping[str, Any]) -> str:
 
 RENDERERS: dict[str, Callable[[Results], str]] = {
     "readme": render_readme,
+    "headline": render_headline,
     "real_models": render_real_models,
     "step": render_step,
     "baselines": render_baselines,

@@ -11,6 +11,7 @@ from jpack._collectives import psum as psum
 from jpack._collectives import reduce_scatter as reduce_scatter
 from jpack._collectives import shard as shard
 from jpack._collectives import vary as vary
+from jpack._fsdp import fsdp as fsdp
 from jpack._layout import Bucket as Bucket
 from jpack._layout import Layout as Layout
 from jpack._layout import Slot as Slot
@@ -44,6 +45,7 @@ __all__ = [
     "cast_params",
     "checkpoint",
     "data_parallel",
+    "fsdp",
     "optax",
     "pack",
     "plan",

@@ -417,17 +417,19 @@ def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
           f"all_gather over {axis_name!r} ({n} devices): bucket {i} has a slice of "
           f"{x.shape[0]} elements, and {n} of them do not make its {bucket.size}. Gather "
           "over the axes the Shards were made over (jpack.shard / reduce_scatter).")
-  def gather(x):
-    def plain(x):
-      return _all_gather(x, axis_name, axis=0, tiled=True)
+  return Packed(tuple(gather_bucket(x, axis_name) for x in shards.buckets), shards.layout)
 
-    if not x.size:
-      return jnp.zeros((0,), x.dtype)
-    if not cpu.moves_as_bits(x.dtype):
-      return plain(x)
-    return cpu.choose(functools.partial(cpu.moved_as_bits, plain), plain, x)
 
-  return Packed(tuple(gather(x) for x in shards.buckets), shards.layout)
+def gather_bucket(x: jax.Array, axis_name: AxisName) -> jax.Array:
+  """One bucket's slices from every device, concatenated (`all_gather`'s per bucket)."""
+  def plain(x):
+    return _all_gather(x, axis_name, axis=0, tiled=True)
+
+  if not x.size:
+    return jnp.zeros((0,), x.dtype)
+  if not cpu.moves_as_bits(x.dtype):
+    return plain(x)
+  return cpu.choose(functools.partial(cpu.moved_as_bits, plain), plain, x)
 
 
 def vary(tree: Any, axis_name: AxisName) -> Any:

@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from jpack._collectives import Shards, axis_size, broadcast, is_varying, reduce_scatter, vary
+from jpack._fsdp import carriers_for, gradient_carrier
 from jpack._layout import Layout, retyped
 from jpack._pack import Packed, unpack
 from jpack._precision import as_layout
@@ -165,15 +166,29 @@ def check_loss_fn(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -
                   "functools.partial.")
 
 
-def accumulated_grads(loss_fn: Callable[..., Any], packed_params: bool, axis_name: str,
-                       masters: Layout, accumulate: int, accumulator: str, comm_dtype: Any
+def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: str,
+                       masters: Layout, accumulate: int, accumulator: str, comm_dtype: Any,
+                       keep_gathered: bool = False
                        ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any, Any]]:
   """``(params, model_state, batch) -> (loss, aux, grads, model_state)`` on one device:
   the mean over ``accumulate`` micro-batches, with the gradients in the masters' dtypes
-  (``masters``, the layout the optimizer takes) and, with the "sharded" accumulator,
-  already reduce-scattered (`jpack.Shards`). ``loss_fn`` is `with_state`'s."""
+  (``masters``, the layout the optimizer takes) and, with the "sharded" accumulator or
+  params kept as `jpack.Shards` (``params_as="shards"``, ZeRO-3), already
+  reduce-scattered (`jpack.Shards`). ``params_as`` is "tree", "packed" or "shards";
+  ``loss_fn`` is `with_state`'s."""
+  packed_params = params_as != "tree"
+  if params_as == "shards":
+    accumulator = "sharded"
+    carried = gradient_carrier(loss_fn, axis_name, keep_gathered=keep_gathered)
 
   def one(params, model_state, batch):
+    if params_as == "shards":  # the gradient is the gather's transpose: a reduce-scatter
+      wide = Shards(carriers_for(params), params.layout).buckets
+      (loss, (model_state, aux)), grads = jax.value_and_grad(
+          lambda c: carried(params, c, model_state, batch), has_aux=True)(
+              vary(wide, axis_name))
+      return loss, aux_to_mean(aux), Shards(grads, params.layout), model_state
+
     def loss_of(p):
       return loss_fn(unpack(p) if packed_params else p, model_state, batch)
 
@@ -197,7 +212,7 @@ def accumulated_grads(loss_fn: Callable[..., Any], packed_params: bool, axis_nam
     if not packed_params:
       return jax.tree.map(lambda g: g.astype(_accumulation_dtype(g.dtype)), grads)
     grads = as_layout(grads, wide)
-    if accumulator == "sharded":  # ZeRO-2: only this device's slice is kept
+    if accumulator == "sharded" and params_as != "shards":  # ZeRO-2: only this slice kept
       grads = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
     return grads
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpack import _cpu as cpu
-from jpack._collectives import all_gather, assert_same_layout, broadcast, shard
+from jpack._collectives import Shards, all_gather, assert_same_layout, broadcast, shard
 from jpack._grads import (accumulated_grads, average_state, check_accumulate, check_loss_fn,
                           with_state)
 from jpack._internal import dtype_name, outside_jit
@@ -27,7 +27,7 @@ from jpack._probe import checker
 from jpack._sharded import ShardedState, sharded, sharded_layout
 from jpack._transforms import after, allreduce, firsts, flat
 
-MODES = ("allreduce", "packed", "sharded")
+MODES = ("allreduce", "packed", "sharded", "fsdp")
 _READ_FIX = ("Read the state step() returned, or copy what you need before the step: "
              "jax.device_get(dp.unpack(state)).")
 
@@ -38,13 +38,18 @@ class Mode(NamedTuple):
   ``mode="packed"`` and ``Mode("packed")`` are the same; the options exist only here.
 
   Attributes:
-    name: ``"packed"``, ``"allreduce"`` or ``"sharded"`` (see `data_parallel`).
+    name: ``"packed"``, ``"allreduce"``, ``"sharded"`` or ``"fsdp"`` (see `data_parallel`).
     shard_accumulator: with ``accumulate > 1`` in ``"sharded"`` mode, reduce-scatter each
       micro-batch's gradients into this device's 1/N slice (ZeRO-2's gradient memory,
       ``accumulate`` reduce-scatters a step) instead of summing full buckets (one).
+      ``"fsdp"`` always does.
+    keep_gathered: in ``"fsdp"`` mode, keep the buckets gathered in the forward pass for
+      the backward pass (one gather per bucket and step, ZeRO-2's memory) instead of
+      gathering them again there (see `jpack.fsdp`).
   """
   name: str = "packed"
   shard_accumulator: bool = False
+  keep_gathered: bool = False
 
 
 class TrainState(NamedTuple):
@@ -129,7 +134,7 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   mesh, axis_name = _check_mesh(mesh)
   check_inner(inner, labels)
   _check_not_flax_variables(params_like)
-  sharded_mode = mode.name == "sharded"
+  sharded_mode = mode.name in ("sharded", "fsdp")  # the optimizer runs on slices
   plan_options, compiler_options = cpu.step_defaults(mesh.devices.flat, sharded_mode,
                                                      mesh.shape[axis_name])
   narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
@@ -145,26 +150,32 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
             axis_name=axis_name, where=where,
             instead="mode='allreduce', which runs it on the params tree")(masters)
   tx = _transformation(mode.name, optimizer, axis_name, comm_dtype, param_dtype, plan_options)
-  packed_params = mode.name in ("packed", "sharded")
+  packed_params = mode.name != "allreduce"
+  params_as = {"allreduce": "tree", "fsdp": "shards"}.get(mode.name, "packed")
 
   def local_init(params, model_state=None):
     if model_state is not None:
       model_state = broadcast(model_state, axis_name)
     if param_dtype is not None:  # the optimizer keeps the full-precision masters
       params = broadcast(params, axis_name)
-      return TrainState(pack(cast_params(params, param_dtype), layout), tx.init(params),
-                        jnp.zeros((), jnp.int32), model_state)
+      return TrainState(kept(pack(cast_params(params, param_dtype), layout)),
+                        tx.init(params), jnp.zeros((), jnp.int32), model_state)
     if isinstance(params, Packed):  # packed on the host (`_packed_on_host`)
       params = broadcast(params, axis_name)
     else:
       params = broadcast(params, axis_name, layout=layout)
       if packed_params:
         params = pack(params, layout)
+    params = kept(params)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), model_state)
 
+  def kept(params):  # ZeRO-3 keeps this device's slices only
+    return shard(params, axis_name) if params_as == "shards" else params
+
   accumulator = "sharded" if mode.shard_accumulator else "local"
-  grads_fn = accumulated_grads(with_state(loss_fn, has_aux), packed_params,
-                                axis_name, masters, accumulate, accumulator, comm_dtype)
+  grads_fn = accumulated_grads(with_state(loss_fn, has_aux), params_as, axis_name,
+                                masters, accumulate, accumulator, comm_dtype,
+                                mode.keep_gathered)
   local_step = _per_device_step(grads_fn, tx, mode.name, axis_name, has_aux)
 
   # What init takes: the params as params_like describes them (full precision).
@@ -172,7 +183,7 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   # Params that init's program takes packed: a few buckets, not an input, a broadcast,
   # a slice and a pack per leaf, which compiles slowly for thousands of leaves.
   host_packed = packed_params and param_dtype is None
-  dp = _build(local_init, local_step, packed_params, params_like, init_layout, axis_name,
+  dp = _build(local_init, local_step, params_as, params_like, init_layout, axis_name,
               mesh, mode.name, accumulate, compiler_options, host_packed,
               functools.partial(check_loss_fn, loss_fn, has_aux))
   return dp._replace(layout=layout)
@@ -201,7 +212,7 @@ def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
                    compiler_options=compiler_options)
   """
   mesh, axis_name = _check_mesh(mesh)
-  return cpu.step_defaults(mesh.devices.flat, _check_mode(mode).name == "sharded",
+  return cpu.step_defaults(mesh.devices.flat, _check_mode(mode).name in ("sharded", "fsdp"),
                            mesh.shape[axis_name])
 
 
@@ -216,7 +227,12 @@ def _check_mode(mode: str | Mode) -> Mode:
   if mode.shard_accumulator and mode.name != "sharded":
     raise ValueError("Mode(shard_accumulator=True) reduce-scatters every micro-batch's "
                      "gradients into this device's slice, which only mode 'sharded' "
-                     f"updates; got Mode({mode.name!r}, shard_accumulator=True).")
+                     f"chooses (mode 'fsdp' always does); got Mode({mode.name!r}, "
+                     "shard_accumulator=True).")
+  if mode.keep_gathered and mode.name != "fsdp":
+    raise ValueError("Mode(keep_gathered=True) keeps gathered parameter buckets for the "
+                     "backward pass, which only mode 'fsdp' gathers; got "
+                     f"Mode({mode.name!r}, keep_gathered=True).")
   return mode
 
 
@@ -250,7 +266,8 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
     # Metrics may read the params: computed before any update (the transformations
     # order their updates after the gradients and the loss), no donated param is copied.
     grads = after(grads, *firsts(aux))
-    # ZeRO-1 updates this device's slice of the params, then gathers the new params.
+    # ZeRO-1 updates this device's slice of the params, then gathers the new params;
+    # ZeRO-3 keeps the slice, gathered by the next step's forward pass.
     target = shard(state.params, axis_name) if mode == "sharded" else state.params
     updates, opt_state = tx.update(grads, state.opt_state, target, value=loss)
     params = optax.apply_updates(target, updates)
@@ -288,7 +305,7 @@ def _packed_like(layout: Layout) -> Packed:
                 layout)
 
 
-def _build(local_init, local_step, packed_params, params_like, layout, axis_name, mesh,
+def _build(local_init, local_step, params_as, params_like, layout, axis_name, mesh,
            mode, accumulate, compiler_options, host_packed, check_loss) -> DataParallel:
   """`DataParallel` running the per-device functions under `jax.shard_map`: the state
   replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
@@ -329,9 +346,10 @@ def _build(local_init, local_step, packed_params, params_like, layout, axis_name
       # A host copy of the state, or one restored onto a single device: place it all
       # (checked on the counter alone, so a placed state costs nothing per leaf).
       state = jax.tree.map(place, state, shardings_of(state))
-    elif mode == "sharded":  # a restored or host copy of the slices: split them again
-      state = state._replace(opt_state=jax.tree.map(place, state.opt_state,
-                                                    specs_shardings.opt_state))
+    elif mode in ("sharded", "fsdp"):  # a restored or host copy of slices: split again
+      state = state._replace(**{f: jax.tree.map(place, getattr(state, f),
+                                                getattr(specs_shardings, f))
+                                for f in ("params", "opt_state")})
     batch = place_batch(batch, batch_sharding, axis_name, accumulate)
     try:
       out = step_sm(state, batch)
@@ -364,7 +382,10 @@ def _build(local_init, local_step, packed_params, params_like, layout, axis_name
 
   def unpack_state(state):
     _check_not_donated(state, _READ_FIX)
-    tree = unpack(state.params) if packed_params else state.params
+    if params_as == "shards":  # this process's copy of the whole buckets, gathered
+      whole = tuple(jax.device_put(b, local) for b in state.params.buckets)
+      return unpack(Packed(whole, state.params.layout))
+    tree = unpack(state.params) if params_as == "packed" else state.params
     return jax.tree.map(lambda x: _on_one_device(x, local), tree)
 
   return DataParallel(init, step, unpack_state, layout)
@@ -387,7 +408,7 @@ def _transformation(mode: str, optimizer: Any, axis_name: str, comm_dtype: Any,
                     param_dtype: ParamDtype, plan_options: Mapping[str, Any]
                     ) -> optax.GradientTransformationExtraArgs:
   """The mode's optax transformation."""
-  if mode == "sharded":
+  if mode in ("sharded", "fsdp"):
     return sharded(optimizer, axis_name, comm_dtype=comm_dtype, param_dtype=param_dtype,
                    **plan_options)
   if mode == "packed":  # packed gradients: the optimizer runs on their buckets
@@ -432,12 +453,14 @@ def _check_trainable(layout: Layout) -> None:
 
 
 def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainState:
-  """Replicated everywhere, except ZeRO-1 optimizer slices, which are split over the axis."""
-  def opt_spec(x):
-    return P(axis_name) if (mode == "sharded" and x.ndim >= 1) else P()
+  """Replicated everywhere, except the optimizer's slices (ZeRO-1 and -3) and the params'
+  (ZeRO-3), which are split over the axis."""
+  def split(x):
+    return P(axis_name) if (mode in ("sharded", "fsdp") and x.ndim >= 1) else P()
 
-  return TrainState(jax.tree.map(lambda _: P(), state_shapes.params),
-                    jax.tree.map(opt_spec, state_shapes.opt_state),
+  return TrainState(jax.tree.map(split if mode == "fsdp" else (lambda _: P()),
+                                 state_shapes.params),
+                    jax.tree.map(split, state_shapes.opt_state),
                     P())
 
 
@@ -455,6 +478,11 @@ def _check_state(state: TrainState, mode: str) -> None:
   error is a pytree-prefix mismatch), and a state already passed to ``step``, which
   donated it: on several CPU devices jax 0.10.2 kills the process (segfault) when a
   deleted buffer is donated again."""
+  if mode == "fsdp" and not isinstance(state.params, Shards):
+    raise TypeError(
+        f"TrainState.params is a {type(state.params).__name__}, but data_parallel("
+        "mode='fsdp') keeps this device's slices of the params as jpack.Shards: use "
+        "dp.init(params) for a new state, or jpack.checkpoint.restore when restoring.")
   if mode in ("packed", "sharded") and not isinstance(state.params, Packed):
     raise TypeError(
         f"TrainState.params is a {type(state.params).__name__}, but data_parallel("

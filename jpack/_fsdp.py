@@ -1,0 +1,143 @@
+"""ZeRO-3 (FSDP): a loss on each device's slices of the parameter buckets.
+
+Each device keeps 1/N of every bucket (`jpack.Shards`). `fsdp` turns a loss of the params
+tree into a loss of those slices: every bucket is all-gathered where the loss reads it,
+in the params' dtype, and unpacked. Its gradient is the transpose of that gather, a
+reduce-scatter, averaged over the devices in float32 (or wider), so the optimizer gets
+this device's slice of the mean gradient, as `jpack.optax.sharded` takes it.
+
+By default the gathered buckets are not kept for the backward pass: the loss runs under
+`jax.checkpoint` with a policy that saves everything except the gathered buckets and the
+leaves read out of them, so the backward pass gathers each bucket again where it needs
+it (FSDP's ``reshard_after_forward``). ``keep_gathered=True`` keeps them instead: one
+gather per bucket and step, the memory of ZeRO-1/2.
+
+The gradient leaves the gather in a wider dtype than a bf16 bucket. A custom VJP's
+cotangent has its primal's dtype, so the gradient is taken with respect to a zero
+"carrier" in the wide dtype: the gather adds nothing from it, and its backward rule
+returns the reduce-scattered mean there too (for the slices themselves, in their dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jpack._collectives import Shards, axis_size, gather_bucket
+from jpack._pack import Packed, unpack
+
+# The names the checkpoint policy leaves out of the saved residuals.
+_GATHERED = "jpack_gathered"
+
+
+def wide_dtype(dtype: Any) -> np.dtype:
+  """The dtype a gradient of ``dtype`` is reduced and kept in: at least float32."""
+  d = np.dtype(dtype)
+  if jnp.issubdtype(d, jnp.floating) and d.itemsize < 4:
+    return np.dtype(np.float32)
+  return d
+
+
+def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = False
+         ) -> Callable[..., Any]:
+  """``loss_fn(params, *args)`` as a function of this device's `jpack.Shards` of them.
+
+  Use inside `jax.shard_map` over ``axis_name``. The returned ``loss(shards, *args)``
+  gathers every bucket where ``loss_fn`` reads it; ``jax.grad`` of it with respect to
+  ``shards`` is this device's slice of the gradient averaged over the axis (a
+  reduce-scatter per bucket), in the shards' dtype. For the gradient in float32 with
+  bf16 params, differentiate `gradient_carrier`'s second argument instead (what
+  ``data_parallel(mode="fsdp")`` does).
+
+  Args:
+    loss_fn: ``loss_fn(params, *args)``, returning anything ``jax.grad`` takes
+      (``has_aux`` pairs too).
+    axis_name: the axis the buckets are sliced over.
+    keep_gathered: keep the gathered buckets from the forward pass for the backward
+      pass (faster, the memory of ZeRO-1) instead of gathering them again.
+
+  Returns:
+    ``loss(shards, *args)``.
+
+  Example::
+
+    loss = jpack.fsdp(loss_fn, "batch")
+    grads = jax.grad(loss)(shards, batch)       # Shards: this device's mean gradient
+    updates, opt_state = tx.update(grads, opt_state, shards)  # jpack.optax.sharded
+    shards = optax.apply_updates(shards, updates)
+  """
+  carried = gradient_carrier(loss_fn, axis_name, keep_gathered=keep_gathered)
+
+  @functools.wraps(loss_fn)
+  def loss(shards, *args):
+    _check_shards(shards)
+    return carried(shards, _zero_carriers(shards.buckets, shards.buckets), *args)
+
+  return loss
+
+
+def gradient_carrier(loss_fn: Callable[..., Any], axis_name: Any, *,
+                     keep_gathered: bool = False) -> Callable[..., Any]:
+  """``loss(shards, carriers, *args)``: `fsdp`'s loss, whose gradient with respect to
+  ``carriers`` (a tuple of zero slices, one per bucket, in `wide_dtype`) is this
+  device's slice of the mean gradient in that dtype."""
+
+  def loss(shards, carriers, *args):
+    gathered = tuple(_gather(b, c, axis_name) for b, c in zip(shards.buckets, carriers))
+    if not keep_gathered:
+      gathered = tuple(checkpoint_name(g, _GATHERED) for g in gathered)
+    params = unpack(Packed(gathered, shards.layout))
+    if not keep_gathered:
+      params = jax.tree.map(lambda x: checkpoint_name(x, _GATHERED),
+                            params)
+    return loss_fn(params, *args)
+
+  if keep_gathered:
+    return loss
+  policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
+  return jax.checkpoint(loss, policy=policy)
+
+
+def carriers_for(shards: Shards) -> tuple[jax.Array, ...]:
+  """The zero carriers of ``shards``: one slice per bucket in `wide_dtype`."""
+  return _zero_carriers(shards.buckets, shards.buckets)
+
+
+def _zero_carriers(buckets, like) -> tuple[jax.Array, ...]:
+  return tuple(jnp.zeros(b.shape, wide_dtype(b.dtype)) for b in like)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather(bucket: jax.Array, carrier: jax.Array, axis_name: Any) -> jax.Array:
+  del carrier
+  return gather_bucket(bucket, axis_name)
+
+
+def _gather_fwd(bucket, carrier, axis_name):
+  return _gather(bucket, carrier, axis_name), None
+
+
+def _gather_bwd(axis_name, residuals, ct):
+  del residuals
+  wide = wide_dtype(ct.dtype)
+  n = axis_size(axis_name)
+  if ct.size == 0:
+    return jnp.zeros((0,), ct.dtype), jnp.zeros((0,), wide)
+  mean = lax.psum_scatter(ct.astype(wide), axis_name, scatter_dimension=0, tiled=True) / n
+  return mean.astype(ct.dtype), mean
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _check_shards(shards: Any) -> None:
+  if not isinstance(shards, Shards):
+    raise TypeError(f"jpack.fsdp's loss takes this device's jpack.Shards of the params "
+                    f"(jpack.shard(jpack.pack(params, layout), axis)), got "
+                    f"{type(shards).__name__}.")

@@ -8,7 +8,8 @@ puts such a state back onto the buckets of any new run. `save_checkpoint` and
 `restore_checkpoint` save a whole `jpack.TrainState` in that form with an Orbax
 `CheckpointManager` (each tree written as one flat array per dtype), and refuse a
 checkpoint of another model, of another optimizer or one whose save never finished,
-naming what differs.
+naming what differs. The public names are in `jpack.checkpoint`: ``save``,
+``restore``, ``gather_state`` and ``scatter_state``.
 
 Orbax is imported only by those two functions: jpack does not depend on it.
 """
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jpack._collectives import Shards
 from jpack._internal import leaf_from_flat
 from jpack._layout import Layout, retyped
 from jpack._owned import OwnedState
@@ -69,18 +71,19 @@ def gather_state(opt_state: Any) -> Any:
 
   Returns:
     ``opt_state`` with each `FlatState` / `ShardedState` replaced by its tree form: the
-    inner state (for a dict ``inner``, the `optax.multi_transform` state over the
-    params), or, with ``param_dtype`` masters, ``{"inner_state": that, "master": the
-    params tree in full precision}``.
+    inner state (for a `jpack.optax.partition`, the `optax.partition` state over the
+    params), or, with master copies (``precision=jpack.Precision(param_dtype=...)``),
+    ``{"inner_state": that, "master": the params tree in full precision}``.
 
   Raises:
-    ValueError: a ``jax.pmap`` state (one row per device on every leaf).
+    ValueError: a state of a hand-written ``jax.pmap`` step (one row per device on
+      every leaf).
 
   Examples:
     >>> import jax.numpy as jnp, optax, jpack
     >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
     >>> state = jpack.optax.flat(optax.adam(0.1)).init(params)
-    >>> jpack.optax.gather_state(state)[0].mu["w"].shape    # state: a bucket of 128
+    >>> jpack.checkpoint.gather_state(state)[0].mu["w"].shape    # state: a bucket of 128
     (2, 3)
   """
   return _gather(opt_state, _to_host)
@@ -118,8 +121,8 @@ def scatter_state(tree_state: Any, like: Any) -> Any:
     >>> import jax, jax.numpy as jnp, optax, jpack
     >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
     >>> tx = jpack.optax.flat(optax.adam(0.1))
-    >>> saved = jpack.optax.gather_state(tx.init(params))
-    >>> state = jpack.optax.scatter_state(saved, like=jax.eval_shape(tx.init, params))
+    >>> saved = jpack.checkpoint.gather_state(tx.init(params))
+    >>> state = jpack.checkpoint.scatter_state(saved, like=jax.eval_shape(tx.init, params))
     >>> type(state).__name__, state.inner_state[0].mu[0].shape   # 9 values, aligned
     ('FlatState', (128,))
   """
@@ -450,28 +453,29 @@ def _saved_to_buckets(path: Any, x: Any, layout: Layout) -> tuple[Any, ...]:
 def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | None = None,
                     force: bool = False) -> bool:
   """Save a `jpack.TrainState` with an Orbax ``CheckpointManager``, for any device count
-  and mode.
+  and mode (``jpack.checkpoint.save``).
 
   Call it after every step: when the manager's save policy skips ``step`` it returns
   False at once, without touching the state. Otherwise it copies the state to the host
   in its saved form (below) and hands it to ``manager.save``; with asynchronous
   checkpointing (Orbax's default) it returns while the files are still being written,
   and the next steps run meanwhile. A save that never finishes (the process killed
-  during it) leaves no finished checkpoint: `restore_checkpoint` takes the last
+  during it) leaves no finished checkpoint: ``jpack.checkpoint.restore`` takes the last
   finished one.
 
   The saved form is the same in every mode (``"packed"``, ``"sharded"``,
   ``"allreduce"``) and on every device count: item ``"state"`` holds ``{"params": the
   params tree, "opt_state": the optimizer's state on the params tree (as
-  ``optimizer.init(params)`` has it; with ``param_dtype``, ``{"inner_state": ...,
+  ``optimizer.init(params)`` has it; with master copies
+  (``precision=jpack.Precision(param_dtype=...)``), ``{"inner_state": ...,
   "master": ...}``), "step": the step count, "key": the key's data (if given),
   "model_state": (if the state has one)}``, each of the trees params, opt_state and
   model_state written as one flat array per dtype (its leaves of that dtype raveled and
   concatenated in leaf order; scalars, such as step counts, kept apart): Orbax's cost
   grows with the number of arrays. Item ``"meta"`` (JSON) holds the key paths, shapes
   and dtypes of every leaf of those trees, the params' fingerprint and the key's
-  implementation, which `restore_checkpoint` checks before restoring, and slices the
-  flat arrays by. The gradient norm the step keeps for logging is not saved.
+  implementation, which ``jpack.checkpoint.restore`` checks before restoring, and slices
+  the flat arrays by. The gradient norm the step keeps for logging is not saved.
 
   On several processes (``jax.distributed``), every process calls it, for the same
   ``step``, with a manager on the same directory (a file system they share) and the
@@ -486,8 +490,8 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
     manager: an ``orbax.checkpoint.CheckpointManager``.
     step: the step to save it as: ``state.step``, as the loop counts it (reading
       ``state.step`` would wait for the step to finish).
-    state: the `jpack.TrainState` of a ``jpack.data_parallel`` step (the default
-      ``shard_map`` step, not ``use_pmap=True``), or a host copy of one.
+    state: the `jpack.TrainState` of a ``jpack.data_parallel`` step (or of a
+      hand-written ``shard_map`` step), or a host copy of one.
     key: a PRNG key to save with it: typed (``jax.random.key``) or raw ``uint32`` data.
     force: save even if the manager's save policy would skip ``step``.
 
@@ -495,8 +499,8 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
     Whether a save was started.
 
   Raises:
-    ValueError: ``step`` is not the state's step count, or the state is a ``jax.pmap``
-      state.
+    ValueError: ``step`` is not the state's step count, or the state is one of a
+      hand-written ``jax.pmap`` step (one row per device).
 
   Examples:
     >>> import tempfile, jax, jax.numpy as jnp, optax, jpack
@@ -505,7 +509,7 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
     >>> dp = jpack.data_parallel(lambda p, x: jnp.mean(x @ p["w"] + p["b"]),
     ...                          optax.adam(0.1), params)
     >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
-    >>> jpack.optax.save_checkpoint(manager, 0, dp.init(params), key=jax.random.key(0))
+    >>> jpack.checkpoint.save(manager, 0, dp.init(params), key=jax.random.key(0))
     True
     >>> manager.wait_until_finished()
     >>> manager.close()
@@ -529,7 +533,8 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
 
 def restore_checkpoint(manager: Any, like: Any, *, step: int | None = None
                        ) -> tuple[Any, jax.Array | None]:
-  """Restore what `save_checkpoint` saved, onto a new run of any device count and mode.
+  """Restore what ``jpack.checkpoint.save`` saved, onto a new run of any device count and
+  mode (``jpack.checkpoint.restore``).
 
   Checks the checkpoint's metadata before reading any array: the params must have the
   key paths, shapes and dtypes of ``like``'s, and the saved optimizer state the
@@ -554,9 +559,9 @@ def restore_checkpoint(manager: Any, like: Any, *, step: int | None = None
     FileNotFoundError: the directory holds no finished checkpoint (or none for
       ``step``), e.g. only one whose save was interrupted.
     ValueError: the checkpoint is of another model (naming the first param that
-      differs, and both fingerprints), of another optimizer or ``param_dtype=``
-      (naming the first key path of the state that differs), or was not written by
-      `save_checkpoint`.
+      differs, and both fingerprints), of another optimizer or another
+      ``jpack.Precision(param_dtype=...)`` (naming the first key path of the state
+      that differs), or was not written by ``jpack.checkpoint.save``.
 
   Examples:
     >>> import tempfile, jax, jax.numpy as jnp, optax, jpack
@@ -566,11 +571,11 @@ def restore_checkpoint(manager: Any, like: Any, *, step: int | None = None
     ...                          optax.adam(0.1), params)
     >>> directory = tempfile.mkdtemp()
     >>> with ocp.CheckpointManager(directory) as manager:
-    ...   _ = jpack.optax.save_checkpoint(manager, 0, dp.init(params), key=jax.random.key(7))
+    ...   _ = jpack.checkpoint.save(manager, 0, dp.init(params), key=jax.random.key(7))
     >>> sharded = jpack.data_parallel(lambda p, x: jnp.mean(x @ p["w"] + p["b"]),
     ...                               optax.adam(0.1), params, mode="sharded")
-    >>> state, key = jpack.optax.restore_checkpoint(directory,
-    ...                                             jax.eval_shape(sharded.init, params))
+    >>> state, key = jpack.checkpoint.restore(directory,
+    ...                                       jax.eval_shape(sharded.init, params))
     >>> int(state.step), type(state.opt_state).__name__, key.dtype
     (0, 'ShardedState', key<fry>)
   """
@@ -611,8 +616,10 @@ def _orbax() -> Any:
 
 
 def _params_tree(params: Any, host: Callable[[Any], np.ndarray] = _to_host) -> Any:
-  """The params as a tree of host arrays (abstract params: of `jax.ShapeDtypeStruct`)."""
-  if not isinstance(params, Packed):
+  """The params as a tree of host arrays (abstract params: of `jax.ShapeDtypeStruct`).
+  ZeRO-3's `Shards`, seen from outside ``shard_map``, hold the whole buckets split over
+  the devices, as a `Packed` does."""
+  if not isinstance(params, (Packed, Shards)):
     return jax.tree.map(lambda x: _host_leaf(x, host), params)
   if any(_is_abstract(b) for b in params.buckets):
     return params.layout.shapes()
@@ -845,6 +852,8 @@ def _from_saved(restored: dict[str, Any], like: Any) -> Any:
   params = restored["params"]
   if isinstance(like.params, Packed):
     params = pack(params, like.params.layout)
+  elif isinstance(like.params, Shards):  # the whole buckets: dp.step splits them
+    params = Shards(pack(params, like.params.layout).buckets, like.params.layout)
   opt_like = like.opt_state
   if _is_allreduce_chain(opt_like):
     # The all-reduce keeps only the last step's gradient norm (a metric): zero again.

@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jpack._collectives import Shards, axis_size, gather_bucket
+from jpack._collectives import Shards, axis_size, gather_bucket, vary
 from jpack._pack import Packed, unpack
 
 # The names the checkpoint policy leaves out of the saved residuals.
@@ -77,7 +77,7 @@ def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = F
   @functools.wraps(loss_fn)
   def loss(shards, *args):
     _check_shards(shards)
-    return carried(shards, _zero_carriers(shards.buckets, shards.buckets), *args)
+    return carried(shards, carriers_for(shards, axis_name), *args)
 
   return loss
 
@@ -104,19 +104,19 @@ def gradient_carrier(loss_fn: Callable[..., Any], axis_name: Any, *,
   return jax.checkpoint(loss, policy=policy)
 
 
-def carriers_for(shards: Shards) -> tuple[jax.Array, ...]:
-  """The zero carriers of ``shards``: one slice per bucket in `wide_dtype`."""
-  return _zero_carriers(shards.buckets, shards.buckets)
-
-
-def _zero_carriers(buckets, like) -> tuple[jax.Array, ...]:
-  return tuple(jnp.zeros(b.shape, wide_dtype(b.dtype)) for b in like)
+def carriers_for(shards: Shards, axis_name: Any) -> tuple[jax.Array, ...]:
+  """The zero carriers of ``shards``: one slice per bucket in `wide_dtype`, varying over
+  the axis as the gradient that comes back in them does."""
+  return vary(tuple(jnp.zeros(b.shape, wide_dtype(b.dtype)) for b in shards.buckets),
+              axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gather(bucket: jax.Array, carrier: jax.Array, axis_name: Any) -> jax.Array:
   del carrier
-  return gather_bucket(bucket, axis_name)
+  # Typed as varying: each device holds its own copy, so the loss's cotangent comes back
+  # per device (an invariant copy would have it summed over the axis first).
+  return vary(gather_bucket(bucket, axis_name), axis_name)
 
 
 def _gather_fwd(bucket, carrier, axis_name):

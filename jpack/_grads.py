@@ -183,10 +183,9 @@ def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: st
 
   def one(params, model_state, batch):
     if params_as == "shards":  # the gradient is the gather's transpose: a reduce-scatter
-      wide = Shards(carriers_for(params), params.layout).buckets
       (loss, (model_state, aux)), grads = jax.value_and_grad(
           lambda c: carried(params, c, model_state, batch), has_aux=True)(
-              vary(wide, axis_name))
+              carriers_for(params, axis_name))
       return loss, aux_to_mean(aux), Shards(grads, params.layout), model_state
 
     def loss_of(p):

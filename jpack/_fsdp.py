@@ -7,9 +7,11 @@ reduce-scatter, averaged over the devices in float32 (or wider), so the optimize
 this device's slice of the mean gradient, as `jpack.optax.sharded` takes it.
 
 By default the gathered buckets are not kept for the backward pass: the loss runs under
-`jax.checkpoint` with a policy that saves everything except the gathered buckets and the
-leaves read out of them, so the backward pass gathers each bucket again where it needs
-it (FSDP's ``reshard_after_forward``). ``keep_gathered=True`` keeps them instead: one
+`jax.checkpoint` with a policy that saves everything except the gathered buckets and
+cheap views (slices, reshapes, transposes, casts: a weight read through one would be
+saved whole), so the backward pass gathers each bucket again where it needs it (FSDP's
+``reshard_after_forward``) and recomputes the views. A weight transformed by anything
+else before use (``w * mask``) is saved as transformed. ``keep_gathered=True`` keeps them instead: one
 gather per bucket and step, the memory of ZeRO-1/2.
 
 The gradient leaves the gather in a wider dtype than a bf16 bucket. A custom VJP's
@@ -100,8 +102,38 @@ def gradient_carrier(loss_fn: Callable[..., Any], axis_name: Any, *,
 
   if keep_gathered:
     return loss
-  policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
-  return jax.checkpoint(loss, policy=policy)
+  return jax.checkpoint(loss, policy=_policy)
+
+
+# Outputs of these are recomputed in the backward pass rather than saved: they are cheap,
+# and a weight read through them (``w.T``, a slice of a bucket, a cast) would otherwise be
+# saved whole in their output, keeping the gathered buckets' bytes alive.
+_VIEWS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim",
+                    "squeeze", "expand_dims", "slice", "split", "pvary", "copy", "rev",
+                    "bitcast_convert_type", "reduce_precision"})
+
+
+def _policy(prim: Any, *_: Any, **params: Any) -> bool:
+  """What the loss may save for its backward pass: everything but the gathered buckets
+  (`_gather`'s outputs and the names on them) and the views of them."""
+  if prim.name == "name":
+    return params["name"] != _GATHERED
+  if prim.name == "custom_vjp_call":
+    return not _all_gathers(params["call_jaxpr"].jaxpr)
+  return prim.name not in _VIEWS
+
+
+def _all_gathers(jaxpr: Any) -> bool:
+  """Whether ``jaxpr`` (or one inside it) all-gathers: `_gather`'s custom VJP call."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name.startswith("all_gather"):
+      return True
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None and _all_gathers(getattr(inner, "jaxpr", inner)):
+          return True
+  return False
 
 
 def carriers_for(shards: Shards, axis_name: Any) -> tuple[jax.Array, ...]:

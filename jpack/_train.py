@@ -81,7 +81,7 @@ class DataParallel(NamedTuple):
   """
   init: Callable[..., TrainState]                  # (params[, model_state]) -> TrainState
   step: Callable[[TrainState, Any], tuple[TrainState, dict]]  # (state, batch) -> new, metrics
-  unpack: Callable[[TrainState], Any]              # state -> params as the original tree
+  unpack: Callable[[TrainState], Any]              # state -> what init took, on one device
   layout: Layout                                   # the bucket layout of the params
 
 
@@ -112,7 +112,8 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
 
   Returns:
     `DataParallel`: ``init``, ``step(state, batch) -> (state, metrics)`` (metrics
-    ``"loss"``, ``"grad_norm"`` and ``"aux"``), ``unpack(state) -> params`` and the
+    ``"loss"``, ``"grad_norm"`` and ``"aux"``), ``unpack(state)`` (what ``init`` took:
+    the params tree, or ``(params, model_state)``, as arrays on one device) and the
     ``layout``.
 
   Example::
@@ -377,16 +378,18 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
   step.lower = lower
   # Outside jit, `unpack` copies CPU buckets' leaves out with no compilation (elsewhere
   # it compiles one program); jit(unpack) would compile a kernel per leaf.
-  local = mesh.devices.flat[0] if mesh.devices.flat[0] in jax.local_devices() else (
-      next(d for d in mesh.devices.flat if d in jax.local_devices()))
-
   def unpack_state(state):
     _check_not_donated(state, _READ_FIX)
+    local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     if params_as == "shards":  # this process's copy of the whole buckets, gathered
       whole = tuple(jax.device_put(b, local) for b in state.params.buckets)
-      return unpack(Packed(whole, state.params.layout))
-    tree = unpack(state.params) if params_as == "packed" else state.params
-    return jax.tree.map(lambda x: _on_one_device(x, local), tree)
+      params = unpack(Packed(whole, state.params.layout))
+    else:
+      tree = unpack(state.params) if params_as == "packed" else state.params
+      params = jax.tree.map(lambda x: _on_one_device(x, local), tree)
+    if state.model_state is None:
+      return params
+    return params, jax.tree.map(lambda x: _on_one_device(x, local), state.model_state)
 
   return DataParallel(init, step, unpack_state, layout)
 

@@ -5,7 +5,7 @@ by ``jpack.data_parallel`` in the packed and the sharded (ZeRO-1) mode. Per mode
 same loop of steps runs three ways:
 
   no saves   ``dp.step`` only
-  async      ``jpack.optax.save_checkpoint`` after every step, an Orbax
+  async      ``jpack.checkpoint.save`` after every step, an Orbax
              ``CheckpointManager`` saving every 10th (asynchronous, Orbax's default):
              the state is copied to the host, the files are written in the background
              while the next steps run
@@ -85,7 +85,7 @@ def make_manager(directory: pathlib.Path, *, asynchronous: bool = True,
 def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
               manager: Any = None) -> tuple[Any, Any, list[float]]:
   """``steps`` calls of ``step_fn(state, batch)`` from step count ``start``; with a
-  ``manager``, ``jpack.optax.save_checkpoint`` after every step its policy saves.
+  ``manager``, ``jpack.checkpoint.save`` after every step its policy saves.
 
   Returns the state, the last step's metrics, and how long each call that saved blocked
   the loop. A save copies the values: it waits for the steps still queued. That wait is
@@ -102,7 +102,7 @@ def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
     if manager is not None and manager.should_save(step + 1):
       jax.block_until_ready(state)
       t = time.perf_counter()
-      assert jpack.optax.save_checkpoint(manager, step + 1, state)
+      assert jpack.checkpoint.save(manager, step + 1, state)
       calls.append(time.perf_counter() - t)
   return state, metrics, calls
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
   report.text(
       "step ms: the loop's wall time over its steps, median of rounds. vs no saves: the "
       "loop's time over the no-save loop's in the same round (median). save call ms: "
-      "how long one call of jpack.optax.save_checkpoint that saves blocks the loop once "
+      "how long one call of jpack.checkpoint.save that saves blocks the loop once "
       "the queued steps are done (host copy and Orbax's synchronous part; sync: the whole "
       "write). wait at end: manager.wait_until_finished() after the loop.")
   report.write(args)

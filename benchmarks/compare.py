@@ -119,7 +119,9 @@ def step_side(module: types.ModuleType, key: str, model: st.Model, mesh, batch) 
   if key == CHAIN:
     s = st._plain_step(model, mesh, module.optax.allreduce(AXIS), adam, record_norm=False)
   else:
-    s = module.data_parallel(model.loss, adam, model.params, mesh, axis_name=AXIS, mode=key)
+    # The axis comes from the mesh (AXIS, "batch": also the default of jpacks whose
+    # data_parallel took axis_name=), so a baseline of either API builds the same step.
+    s = module.data_parallel(model.loss, adam, model.params, mesh, mode=key)
   state = jax.block_until_ready(s.init(model.params))
   compiled = c.compile_fn(s.step, state, batch, jit_kwargs={"donate_argnums": 0})
   state, _ = compiled.fn(state, batch)  # warm-up

@@ -162,7 +162,7 @@ for mode in ("allreduce", "packed", "sharded"):
   state = dp.init(params)
   for _ in range(3):
     state, metrics = dp.step(state, batch)
-  got = dp.params(state)
+  got = dp.unpack(state)
   for k in params:
     tol = 2e-2 if k == "v" else 1e-5
     np.testing.assert_allclose(np.asarray(got[k], np.float64), np.asarray(ref[k], np.float64),

@@ -29,7 +29,8 @@ table) and 8-way data parallelism:
   jit           plain ``jax.jit`` with the batch split by ``NamedSharding``
   jit_zero1     the same with adamw's state split over the devices by its shardings
   allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
-  packed_bf16_params, sharded_bf16_params    ``param_dtype=jnp.bfloat16`` (f32 masters)
+  packed_bf16_params, sharded_bf16_params    ``precision=jpack.Precision(param_dtype=
+                jnp.bfloat16)`` (f32 masters)
   packed_acc4, sharded_acc4     ``accumulate=4``
   sharded_lamb  ZeRO-1 with ``optax.lamb``: its trust ratio computed leaf by leaf on
                 each device's slices (one more small psum)
@@ -104,8 +105,10 @@ VARIANTS = {
 }
 JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
          "sharded": dict(mode="sharded"),
-         "packed_bf16_params": dict(mode="packed", param_dtype=jnp.bfloat16),
-         "sharded_bf16_params": dict(mode="sharded", param_dtype=jnp.bfloat16),
+         "packed_bf16_params": dict(mode="packed",
+                                    precision=jpack.Precision(param_dtype=jnp.bfloat16)),
+         "sharded_bf16_params": dict(mode="sharded",
+                                     precision=jpack.Precision(param_dtype=jnp.bfloat16)),
          "packed_acc4": dict(mode="packed", accumulate=4),
          "sharded_acc4": dict(mode="sharded", accumulate=4),
          "sharded_lamb": dict(mode="sharded"), "sharded_adafactor": dict(mode="sharded")}
@@ -120,7 +123,7 @@ UNCOMPARED = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16
 # theirs).
 COMPILER_OPTIONS = {
     "per_leaf_no_concat": lambda mesh: {"xla_disable_hlo_passes": "all-reduce-contiguous"},
-    "hand_pmean_options": lambda mesh: jpack.step_options(mesh, AXIS)[1]}
+    "hand_pmean_options": lambda mesh: jpack.step_options(mesh)[1]}
 # Collectives this small are the loss's and the norm's scalars, not a bucket's.
 BUCKET_MIN_BYTES = 1024
 # The goals jpack's default and ZeRO-1 modes are held to on every workload.
@@ -161,14 +164,14 @@ def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
   """Variant ``key``'s ``(init, step)``: init maps params to the step's state."""
   tx = OPTIMIZERS.get(key, lambda: optax.adamw(LEARNING_RATE))()
   if key in JPACK:
-    dp = jpack.data_parallel(model.loss, tx, model.params, mesh, axis_name=AXIS, **JPACK[key])
+    dp = jpack.data_parallel(model.loss, tx, model.params, mesh, **JPACK[key])
     return dp.init, dp.step
   if key == "floor":
     s = _floor(model, mesh)
   elif key in ("per_leaf", "per_leaf_no_concat"):
     s = step_bench._plain_step(model, mesh, optax.stateless(step_bench._per_leaf_pmean), tx)
   elif key in ("hand_pmean", "hand_pmean_options"):  # the README's first step
-    options = jpack.step_options(mesh, AXIS)[0] if key == "hand_pmean_options" else {}
+    options = jpack.step_options(mesh)[0] if key == "hand_pmean_options" else {}
     s = step_bench._plain_step(
         model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS, **options)), tx)
   elif key in ("jit", "jit_zero1"):

@@ -12,7 +12,8 @@ A model is a `Model`: numpy params (or shapes only), a ``loss(params, batch)`` o
 device's batch, and a function that makes a global batch of ``n`` rows. A model with
 state that is not trained (the ResNet's BatchNorm running statistics, ``bn_state=True``)
 has it in ``state``, and its loss is ``loss(params, state, batch) -> (loss, new_state)``,
-as `jpack.data_parallel(..., has_state=True)` takes it.
+as `jpack.data_parallel` calls it when the state is given to init:
+``dp.init(params, state)``.
 """
 
 from __future__ import annotations

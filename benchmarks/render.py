@@ -457,7 +457,7 @@ def render_checkpoint(results: Results) -> str:
     return _missing("checkpoint")
   table = tables[0]
   note = ("vs no saves: the loop's time over the same loop's without saves, in the same "
-          "round. save call ms: how long a call of `jpack.optax.save_checkpoint` that "
+          "round. save call ms: how long a call of `jpack.checkpoint.save` that "
           "saves holds the loop up, once the steps queued before it are done; wait at "
           "end: `manager.wait_until_finished()` after the loop. On CPU devices the "
           "background write shares the cores with the steps.")

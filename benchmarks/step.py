@@ -5,9 +5,9 @@ over the mesh axis ``"batch"`` by ``NamedSharding``, with the state donated. The
 real architectures from `benchmarks.models` with their real leaf counts, narrowed (a
 GPT-2 decoder of 12 blocks, width 64, tied embedding, 148 leaves; a ViT encoder of 12
 blocks, 152 leaves; a ResNet-18 of basic blocks, width 16, 62 leaves, whose BatchNorm
-running statistics are model state, ``has_state=True``), per-device batch 4; and MLPs
-of equal-sized leaves, per-device batch 16. The baselines are written here without
-jpack; all but the jit ones are shard_map steps:
+running statistics are model state, ``dp.init(params, model_state)``), per-device
+batch 4; and MLPs of equal-sized leaves, per-device batch 16. The baselines are written
+here without jpack; all but the jit ones are shard_map steps:
 
   per-leaf      per-leaf ``lax.pmean`` of the gradients + optax.adam (the baseline)
   ravel         ``ravel_pytree`` + one pmean + unravel, optax.adam
@@ -34,16 +34,17 @@ The jpack variants:
   hand pmean    the README's hand-written step: per-leaf's, with ``jpack.pmean(grads)``
   packed        ``mode="packed"``: persistent packed params; the loss unpacks them,
                 gradients arrive packed, adam updates the buckets (no per-step pack)
-  packed bf16   the same with a bf16 wire (``comm_dtype=jnp.bfloat16``)
+  packed bf16   the same with a bf16 wire (``Precision(comm_dtype=jnp.bfloat16)``)
   sharded       ``mode="sharded"``: ZeRO-1, ``jpack.optax.sharded(adam)`` on packed params
 
-Mixed precision, ``param_dtype=jnp.bfloat16``: bf16 params for the loss, f32 masters in
+Mixed precision, ``precision=jpack.Precision(param_dtype=jnp.bfloat16)``: bf16 params for
+the loss, f32 masters in
 the optimizer state (replicated in packed, split 1/N like the moments in sharded), the
 new params all-gathered in bf16 in sharded. Their parameter difference from per-leaf is
 bf16 rounding, not a check:
 
-  packed, bf16 params    ``mode="packed", param_dtype=jnp.bfloat16``
-  sharded, bf16 params   ``mode="sharded", param_dtype=jnp.bfloat16``
+  packed, bf16 params    ``mode="packed", precision=Precision(param_dtype=jnp.bfloat16)``
+  sharded, bf16 params   ``mode="sharded", precision=Precision(param_dtype=jnp.bfloat16)``
 
 Gradient accumulation over 4 micro-batches (each device's rows of the batch, split in
 4), one adam update per step, against the usual way to write it:
@@ -54,11 +55,12 @@ Gradient accumulation over 4 micro-batches (each device's rows of the batch, spl
   packed, accumulate=4   ``mode="packed", accumulate=4``: micro-batches under lax.scan,
                          gradients summed in f32 buckets, reduced once per step
   sharded, accumulate=4  the same in ``mode="sharded"``
-  sharded, acc=4 ZeRO-2  ``mode="sharded", accumulate=4, accumulator="sharded"``: every
-                         micro-step's gradients reduce-scattered into a 1/N accumulator
+  sharded, acc=4 ZeRO-2  ``mode=jpack.Mode("sharded", shard_accumulator=True),
+                         accumulate=4``: every micro-step's gradients reduce-scattered
+                         into a 1/N accumulator
 
 Checkpoints: the packed and the sharded step with an asynchronous Orbax checkpoint
-every 10 steps (``jpack.optax.save_checkpoint`` after every step, a ``CheckpointManager``
+every 10 steps (``jpack.checkpoint.save`` after every step, a ``CheckpointManager``
 saving every 10th; benchmarks/checkpoint.py's loop), timed in the same run as the rows
 without saves; "vs no saves" is the row's step time over the same mode's without saves
 (median over blocks of the block-by-block ratio):
@@ -77,7 +79,7 @@ same optimizer (speed-up and max |Δp| are against that row):
   adamw(mask=)  ``optax.adamw(lr, weight_decay=0.1, mask=<matrices and embeddings>)``:
                 per-leaf; ``mode="packed"`` and ``mode="sharded"`` (the mask computed
                 leaf by leaf on the buckets and slices); and ``mode="sharded"`` with
-                ``labels=`` and {decay: adamw, no_decay: adam}
+                ``jpack.optax.partition({decay: adamw, no_decay: adam}, labels)``
   lamb, muon    ``optax.lamb``, ``optax.contrib.muon``: per-leaf, ``mode="packed"``
                 and ``mode="sharded"``: lamb's trust ratio computed leaf by leaf on the
                 buckets and slices, muon on the leaves (packed) or on each device's own
@@ -188,7 +190,7 @@ VARIANTS = {
     "per_leaf_adamw_mask": "per-leaf, adamw(mask=no decay on biases, norms)",
     "packed_adamw_mask": "jpack packed, adamw(mask=...)",
     "sharded_adamw_mask": "jpack sharded, adamw(mask=...)",
-    "sharded_adamw_labels": "jpack sharded, adamw/adam by labels=",
+    "sharded_adamw_labels": "jpack sharded, adamw/adam by optax.partition",
     "per_leaf_lamb": "per-leaf, lamb",
     "packed_lamb": "jpack packed, lamb",
     "sharded_lamb": "jpack sharded, lamb",
@@ -214,8 +216,8 @@ def adamw_mask(lr: float) -> optax.GradientTransformation:
 
 
 def adamw_by_label(lr: float) -> dict[str, optax.GradientTransformation]:
-  """The same as `labels=` takes it: adamw where `decays`, adam (adamw without its
-  decay) elsewhere, each label in its own buckets."""
+  """The same as `jpack.optax.partition` takes it (with `decay_labels`): adamw where
+  `decays`, adam (adamw without its decay) elsewhere, each label in its own buckets."""
   return {"decay": optax.adamw(lr, weight_decay=WEIGHT_DECAY), "no_decay": optax.adam(lr)}
 
 
@@ -231,11 +233,12 @@ class JpackVariant(NamedTuple):
   """The `jpack.data_parallel` arguments of a variant."""
   mode: str
   optimizer: Callable[[float], Any] = optax.adam
-  comm_dtype: Any = None
-  param_dtype: Any = None
+  comm_dtype: Any = None   # jpack.Precision(comm_dtype=)
+  param_dtype: Any = None  # jpack.Precision(param_dtype=)
   accumulate: int = 1
-  accumulator: str = "local"
-  labels: Callable[[Any], Any] | None = None  # params -> labels= (then optimizer: a dict)
+  shard_accumulator: bool = False  # jpack.Mode(mode, shard_accumulator=)
+  # params -> labels: the optimizer (a dict by label) runs as jpack.optax.partition
+  labels: Callable[[Any], Any] | None = None
 
 
 DATA_PARALLEL = {
@@ -248,7 +251,7 @@ DATA_PARALLEL = {
     "packed_acc4": JpackVariant("packed", accumulate=ACCUMULATE),
     "sharded_acc4": JpackVariant("sharded", accumulate=ACCUMULATE),
     "sharded_acc4_zero2": JpackVariant("sharded", accumulate=ACCUMULATE,
-                                       accumulator="sharded"),
+                                       shard_accumulator=True),
     "sharded_sgd": JpackVariant("sharded", optimizer=optax.sgd),
     "packed_save10": JpackVariant("packed"),
     "sharded_save10": JpackVariant("sharded"),
@@ -393,7 +396,7 @@ class Step(NamedTuple):
   calls of ``step`` make one measured step (each on that share of every device's rows)."""
   init: Callable[..., Any]  # host params (and model state, if any) -> placed state
   step: Callable[[Any, Any], tuple[Any, dict]]  # (state, batch) -> (new state, metrics)
-  params: Callable[[Any], Any]                  # state -> params as the original tree
+  unpack: Callable[[Any], Any]                  # state -> params as the original tree
   calls: int = 1
 
 
@@ -644,15 +647,22 @@ def _auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
 
 
 def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
-  """Variant ``key``'s step: a `Step`, or the `jpack.DataParallel` of a jpack mode."""
+  """Variant ``key``'s step: a `Step`, or the `jpack.DataParallel` of a jpack mode.
+
+  ``plan_options`` (``--bucket-bytes``, ``--solo-bytes``) go to the steps written here
+  that plan buckets (hand pmean, optax.chain, packed grads only); `jpack.data_parallel`
+  takes none: the platform decides (`jpack.step_options`). A model's state is given to
+  the step's ``init`` (`_prepare`)."""
   if key in DATA_PARALLEL:
     v = DATA_PARALLEL[key]
-    labels = {} if v.labels is None else {"labels": v.labels(model.params)}
-    return jpack.data_parallel(model.loss, v.optimizer(LEARNING_RATE), model.params, mesh,
-                               axis_name=AXIS, mode=v.mode, comm_dtype=v.comm_dtype,
-                               param_dtype=v.param_dtype, accumulate=v.accumulate,
-                               accumulator=v.accumulator, has_state=model.has_state,
-                               **labels, **plan_options)
+    optimizer = v.optimizer(LEARNING_RATE)
+    if v.labels is not None:
+      optimizer = jpack.optax.partition(optimizer, v.labels(model.params))
+    return jpack.data_parallel(
+        model.loss, optimizer, model.params, mesh,
+        mode=jpack.Mode(v.mode, shard_accumulator=v.shard_accumulator),
+        precision=jpack.Precision(param_dtype=v.param_dtype, comm_dtype=v.comm_dtype),
+        accumulate=v.accumulate)
   adam = optax.adam(LEARNING_RATE)
   per_leaf = optax.stateless(_per_leaf_pmean)
   if key in OPTIMIZER_VARIANTS:  # per_leaf_<optimizer>
@@ -794,7 +804,7 @@ def _prepare(model: Model, key: str, mesh, batch, plan_options: dict,
     # Saves after the first step of every block (`_time_block`), and one now to warm up
     # Orbax (its threads, the directory) outside the timed blocks.
     manager = ckpt.make_manager(directory / key, policy=ckpt.EveryFrom(count + 1))
-    assert jpack.optax.save_checkpoint(manager, count, state, force=True)
+    assert jpack.checkpoint.save(manager, count, state, force=True)
     manager.wait_until_finished()
     saves = _Saves(manager, count)
   return _Prepared(key, step, compiled, state, batches, [], saves)
@@ -831,7 +841,7 @@ def _result(p: _Prepared, metrics: dict) -> Result:
                 c.count_collectives(text), loop_collectives(text), len(p.batches),
                 _bytes_per_device(p.state.opt_state),
                 _bytes_per_device((p.state.params, p.state.opt_state)),
-                jax.tree.map(np.asarray, p.step.params(p.state)), float(metrics["loss"]),
+                jax.tree.map(np.asarray, p.step.unpack(p.state)), float(metrics["loss"]),
                 p.saves)
 
 
@@ -1040,9 +1050,12 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"per-device batch (default {PER_DEVICE_BATCH}; "
                            f"{REAL_MODEL_BATCH} on {', '.join(REAL_MODELS)})")
   parser.add_argument("--bucket-bytes", type=c.positive_int, default=None,
-                      help="jpack.plan bucket_bytes (default: jpack's, 4 MiB)")
+                      help="jpack.plan bucket_bytes of the hand-written steps that plan "
+                           "buckets (default: jpack's, 4 MiB); jpack.data_parallel's "
+                           "are the platform's (jpack.step_options)")
   parser.add_argument("--solo-bytes", type=int, default=None,
-                      help="jpack.plan solo_bytes (default: jpack's, 1 MiB; 0 = None)")
+                      help="jpack.plan solo_bytes of the same steps (default: jpack's, "
+                           "1 MiB; 0 = None)")
   c.add_output_args(parser, "step")
   c.add_update_arg(parser)
   return parser
@@ -1121,8 +1134,8 @@ def main(argv: list[str] | None = None) -> int:
       f"{args.devices} {jax.devices()[0].platform.upper()} devices, mesh axis ('{AXIS}',) "
       f"(shard_map, or jit by NamedSharding), "
       f"optax.adam({LEARNING_RATE:g}), "
-      f"per-device batch {args.batch or default_batch}, plan options "
-      f"{plan_options or 'default'}; step time "
+      f"per-device batch {args.batch or default_batch}, plan options of the hand-written "
+      f"steps {plan_options or 'default'}; step time "
       f"= median of {blocks} blocks of {steps} steps, variants interleaved block by block"])
   for name in names:
     model = MODELS[name]()
@@ -1165,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
               "rounding. params+opt/dev: bytes of params + optimizer state (masters and "
               "moments) on one device, and in units of Ψ, the parameter count: f32 "
               "replicated adam is 12Ψ, ZeRO-1 with bf16 params about 2Ψ + 12Ψ/N.")
-  report.text(f"Checkpoint rows: jpack.optax.save_checkpoint after every step, an Orbax "
+  report.text(f"Checkpoint rows: jpack.checkpoint.save after every step, an Orbax "
               f"CheckpointManager saving every {ckpt.EVERY}th asynchronously; each block "
               f"saves after its first step and waits for the write at its end (in its "
               f"time). vs no saves = the row's block time over the same mode's without "

@@ -70,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--batch-size", type=_positive_int, default=256,
                     help="global batch size, split over the devices (must divide evenly); "
                          "default %(default)s")
-  demo.add_argument("--bucket-mib", type=_positive_float, default=None,
-                    help="jpack bucket size cap in MiB (default: jpack's own, 4 MiB)")
   demo.add_argument("--modes", type=_modes, default=",".join(DEMO_MODES),
                     help=f"comma-separated modes, from: {', '.join(ALL_MODES)} (per_leaf: a "
                          "shard_map step with a pmean per gradient leaf; jit: plain jax.jit "
@@ -84,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--param-dtype", choices=PARAM_DTYPES, default="float32",
                     help="dtype the loss sees the params in. bfloat16: the packed and "
                          "sharded modes keep bf16 params with float32 master copies in the "
-                         "optimizer state (data_parallel's param_dtype=); per_leaf, jit and "
+                         "optimizer state (data_parallel's precision=jpack.Precision("
+                         "param_dtype=)); per_leaf, jit and "
                          "allreduce keep float32 params and cast them to bf16 for the loss; "
                          "default %(default)s")
   demo.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
@@ -144,7 +143,7 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
   try:
     _demo.run(devices=args.devices, steps=steps, batch_size=args.batch_size,
-              bucket_mib=args.bucket_mib, modes=args.modes, comm_dtype=args.comm_dtype,
+              modes=args.modes, comm_dtype=args.comm_dtype,
               param_dtype=args.param_dtype, accumulate=args.accumulate, out=args.out,
               seed=args.seed, width=args.width, depth=args.depth, lr=args.lr,
               progress=not args.no_progress)

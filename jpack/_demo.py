@@ -23,8 +23,9 @@ ALL_MODES = ("per_leaf", "jit", "allreduce", "packed", "sharded")
 COMM_DTYPES = ("none", "float32", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
 # The modes that keep the params in param_dtype with float32 masters in the optimizer
-# state (data_parallel's param_dtype=); the others keep float32 params and cast them for
-# the loss, the same forward and backward with no separate masters.
+# state (data_parallel's precision=jpack.Precision(param_dtype=)); the others keep float32
+# params and cast them for the loss, the same forward and backward with no separate
+# masters.
 MASTER_MODES = ("packed", "sharded")
 # The usual steps without jpack: a shard_map step with a pmean per leaf (`per_leaf_step`,
 # the baseline) and plain jax.jit on sharded arrays (`jit_step`). Every other mode is
@@ -219,7 +220,7 @@ def _micro_batches(batch, accumulate: int):
 
 
 def per_leaf_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = None,
-                  accumulate: int = 1, **plan_options) -> Any:
+                  accumulate: int = 1) -> Any:
   """The usual data-parallel step without jpack: a ``lax.pmean`` per gradient leaf.
 
   With ``param_dtype`` the loss sees the params cast to it; with ``accumulate`` > 1 the
@@ -227,8 +228,8 @@ def per_leaf_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = 
   of each device's rows (`jax.lax.scan`), all-reducing every micro-batch's gradients.
 
   Returns a `jpack.DataParallel` like ``jpack.data_parallel`` does, over the mesh's
-  first axis. Its ``layout``, planned as data_parallel plans it, is only reported: the
-  step never packs.
+  first axis. Its ``layout``, planned as data_parallel plans it (`jpack.step_options`),
+  is only reported: the step never packs.
   """
   import jax
   import jax.numpy as jnp
@@ -271,13 +272,12 @@ def per_leaf_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = 
   step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(axis)),
                                out_specs=(P(), P())), donate_argnums=0)
   replicated = NamedSharding(mesh, P())
-  layout = jpack.plan(params, **{"num_shards": mesh.shape[axis], **plan_options})
   return jpack.DataParallel(lambda p: init(jax.device_put(p, replicated)), step,
-                            lambda state: state.params, layout)
+                            lambda state: state.params, _reported_layout(params, mesh))
 
 
 def jit_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = None,
-             accumulate: int = 1, **plan_options) -> Any:
+             accumulate: int = 1) -> Any:
   """Data parallelism as plain ``jax.jit`` gives it: a step over global arrays, params
   replicated and the batch split over the mesh's first axis by their shardings. XLA
   partitions the step and inserts the gradient all-reduces itself. ``param_dtype`` and
@@ -327,31 +327,41 @@ def jit_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = None,
                  out_shardings=replicated)
   step = jax.jit(global_step, in_shardings=(replicated, NamedSharding(mesh, P(axis))),
                  out_shardings=(replicated, replicated), donate_argnums=0)
-  layout = jpack.plan(params, **{"num_shards": mesh.shape[axis], **plan_options})
   return jpack.DataParallel(lambda p: init(jax.device_put(p, replicated)), step,
-                            lambda state: state.params, layout)
+                            lambda state: state.params, _reported_layout(params, mesh))
+
+
+def _reported_layout(params: dict, mesh) -> Any:
+  """The layout ``jpack.data_parallel(mode="packed")`` plans for ``params`` on ``mesh``
+  (its plan options are `jpack.step_options`'): what a plain step reports."""
+  import jpack
+
+  return jpack.plan(params, **jpack.step_options(mesh)[0])
 
 
 def build_step(mode: str, loss_fn, optimizer, params: dict, mesh, comm_dtype: Any = None,
-               *, param_dtype: Any = None, accumulate: int = 1, **plan_options) -> Any:
+               *, param_dtype: Any = None, accumulate: int = 1) -> Any:
   """Mode ``mode``'s `jpack.DataParallel`: a plain step, or jpack.data_parallel's.
 
-  ``param_dtype``: the packed and sharded modes keep the params in it, with float32
-  masters (``data_parallel(param_dtype=)``); the others keep float32 params and cast
-  them for the loss. ``accumulate``: micro-batches per step, ``data_parallel``'s or
-  ``optax.MultiSteps`` in the plain steps.
+  ``comm_dtype``: the wire dtype of jpack's gradient collectives (the plain steps
+  ignore it). ``param_dtype``: the packed and sharded modes keep the params in it, with
+  float32 masters (``data_parallel(precision=jpack.Precision(param_dtype=))``); the
+  others keep float32 params and cast them for the loss. ``accumulate``: micro-batches
+  per step, ``data_parallel``'s or ``optax.MultiSteps`` in the plain steps. The buckets
+  are jpack's choice for the mesh's platform (`jpack.step_options`).
   """
   import jpack
 
   plain = {"per_leaf": per_leaf_step, "jit": jit_step}
   if mode in plain:
     return plain[mode](loss_fn, optimizer, params, mesh, param_dtype=param_dtype,
-                       accumulate=accumulate, **plan_options)
+                       accumulate=accumulate)
   if mode not in MASTER_MODES:  # data_parallel keeps no masters in this mode
     loss_fn, param_dtype = loss_in(loss_fn, param_dtype), None
-  return jpack.data_parallel(loss_fn, optimizer, params, mesh, mode=mode,
-                             comm_dtype=comm_dtype, param_dtype=param_dtype,
-                             accumulate=accumulate, **plan_options)
+  return jpack.data_parallel(
+      loss_fn, optimizer, params, mesh, mode=mode,
+      precision=jpack.Precision(param_dtype=param_dtype, comm_dtype=comm_dtype),
+      accumulate=accumulate)
 
 
 # -- measuring -------------------------------------------------------------------------
@@ -446,7 +456,7 @@ def human_bytes(n: float) -> str:
 
 
 def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
-        bucket_mib: float | None = None, modes: Sequence[str] = DEMO_MODES,
+        modes: Sequence[str] = DEMO_MODES,
         comm_dtype: str = "none", param_dtype: str = "float32", accumulate: int = 1,
         out: str | os.PathLike = "jpack-demo-out", seed: int = 0, width: int = 128,
         depth: int = 12, lr: float = 1e-3, progress: bool = True,
@@ -483,7 +493,6 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   mesh = jax.sharding.Mesh(np.array(devs), ("batch",),
                            axis_types=(jax.sharding.AxisType.Explicit,))
   batch_sharding = jax.sharding.NamedSharding(mesh, jax.P("batch"))
-  plan_options = {} if bucket_mib is None else {"bucket_bytes": max(1, int(bucket_mib * 2**20))}
 
   params0 = init_mlp(jax.random.key(seed), x_train.shape[1], width, depth, 10)
   n_params = sum(x.size for x in jax.tree.leaves(params0))
@@ -502,7 +511,7 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   for i, mode in enumerate(modes):
     optimizer = optax.adamw(lr, weight_decay=1e-4)
     dp = build_step(mode, loss_fn, optimizer, params0, mesh, wire, param_dtype=narrow,
-                    accumulate=accumulate, **plan_options)
+                    accumulate=accumulate)
     if i == 0:
       say("\nParameter layout (jpack.plan):")
       say(dp.layout.summary())
@@ -510,7 +519,7 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
     state, batch, losses, times = _train(dp, params0, batches, batch_sharding,
                                          _progress(steps, mode, progress, say))
     collectives, arrays = count_collectives(compiled_hlo(dp, state, batch))
-    acc = accuracy(dp.params(state), x_test, y_test, narrow)
+    acc = accuracy(dp.unpack(state), x_test, y_test, narrow)
     results.append(ModeResult(
         mode=mode, losses=losses, step_ms=times, compile_s=times[0] / 1e3,
         collectives=collectives, collective_arrays=arrays,
@@ -528,7 +537,6 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   (out_dir / "results.json").write_text(json.dumps(
       {"devices": devices, "steps": steps, "batch_size": batch_size,
        "comm_dtype": comm_dtype, "param_dtype": param_dtype, "accumulate": accumulate,
-       "bucket_bytes": plan_options.get("bucket_bytes"),
        "results": [{**dataclasses.asdict(r), "median_ms": r.median_ms,
                     "final_loss": r.final_loss} for r in results]}, indent=1))
   say(f"\nWrote {png} and {out_dir / 'results.json'} "

@@ -139,8 +139,8 @@ def test_bf16_params_reach_the_test_accuracy_of_float32():
     dp = _demo.build_step("sharded", _demo.loss_fn, optax.adamw(1e-3, weight_decay=1e-4),
                           params, mesh, param_dtype=dtype)
     state, *_ = _demo._train(dp, params, batches, sharding)
-    kept[name] = {x.dtype for x in jax.tree.leaves(dp.params(state))}
-    accuracy[name] = _demo.accuracy(dp.params(state), x_test, y_test, dtype)
+    kept[name] = {x.dtype for x in jax.tree.leaves(dp.unpack(state))}
+    accuracy[name] = _demo.accuracy(dp.unpack(state), x_test, y_test, dtype)
   assert kept == {"float32": {jnp.dtype(jnp.float32)}, "bfloat16": {jnp.dtype(jnp.bfloat16)}}
   assert accuracy["float32"] >= 0.95, accuracy
   assert abs(accuracy["bfloat16"] - accuracy["float32"]) <= 0.01, accuracy
@@ -164,7 +164,7 @@ def test_jit_step_ends_where_the_per_leaf_step_ends():
     state = dp.init(params)
     for batch in batches:
       state, metrics = dp.step(state, jax.device_put(batch, sharding))
-    ends[mode] = (dp.params(state), float(metrics["loss"]), float(metrics["grad_norm"]))
+    ends[mode] = (dp.unpack(state), float(metrics["loss"]), float(metrics["grad_norm"]))
   (p_leaf, loss_leaf, norm_leaf), (p_jit, loss_jit, norm_jit) = ends["per_leaf"], ends["jit"]
   assert int(state.step) == 3
   for a, b in zip(jax.tree.leaves(p_leaf), jax.tree.leaves(p_jit)):
@@ -183,7 +183,7 @@ def test_jit_step_ends_where_the_per_leaf_step_ends():
     (["demo", "--param-dtype", "float16"], "invalid choice"),
     (["demo", "--accumulate", "0"], "must be >= 1"),
     (["demo", "--accumulate", "3"], "must divide the per-device batch 32"),
-    (["demo", "--bucket-mib", "-1"], "positive number"),
+    (["demo", "--lr", "-1"], "positive number"),
     (["demo", "--devices", "3", "--batch-size", "256"], "divisible"),
     (["demo", "--frobnicate"], "unrecognized arguments"),
     (["layout", "no_such_workload"], "no workload file 'no_such_workload'"),
@@ -225,7 +225,7 @@ def test_help_and_no_command(capsys):
     cli.main(["demo", "--help"])
   assert info.value.code == 0
   help_text = capsys.readouterr().out
-  for flag in ("--devices", "--steps", "--batch-size", "--bucket-mib", "--modes",
+  for flag in ("--devices", "--steps", "--batch-size", "--modes",
                "--comm-dtype", "--param-dtype", "--accumulate", "--out", "--seed",
                "--quick"):
     assert flag in help_text

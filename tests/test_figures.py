@@ -61,7 +61,7 @@ def test_rendering_is_idempotent():
 
 def test_the_figures_are_where_they_belong():
   where = {_rel(p): render.blocks(p.read_text()) for p in PAGES}
-  assert where["README.md"] == ["real_models", "readme"]
+  assert where["README.md"] == ["headline"]
   assert where["docs/performance.md"] == ["step", "collectives", "pack", "optimizer",
                                           "checkpoint", "startup"]
   assert where["docs/comparison.md"] == ["baselines"]
@@ -101,7 +101,7 @@ def test_readme_table_has_at_most_eight_rows_and_leads_with_the_transformer():
   body = next(render.BLOCK.finditer(text)).group("body")
   rows = [line for line in body.splitlines() if line.startswith("| ")]
   assert 2 <= len(rows) <= 9, rows  # the header and at most eight rows
-  assert rows[1].startswith("| GPT-2-like"), rows[1]
+  assert rows[1].startswith("| CPU step time, GPT-2-like"), rows[1]
 
 
 # -- the renderer itself, on made-up results ------------------------------------------

@@ -40,7 +40,7 @@ print(dp.layout.summary(leaves=True))   # the model's arrays, by path; no functi
 state = dp.init(params)
 for batch in batches(100):
     state, metrics = dp.step(state, batch)  # a numpy batch is split over "batch" for you
-model = eqx.combine(dp.params(state), static)  # the trained arrays, the same functions
+model = eqx.combine(dp.unpack(state), static)  # the trained arrays, the same functions
 # --8<-- [end:data_parallel]
 
 # --8<-- [start:evaluate]
@@ -57,7 +57,7 @@ def train(mode, steps=5):
     state = dp.init(params)
     for batch in batches(steps):
         state, _ = dp.step(state, batch)
-    return dp.params(state)            # a filtered MLP like `params`: None for non-arrays
+    return dp.unpack(state)            # a filtered MLP like `params`: None for non-arrays
 
 packed = train("packed")
 for mode in ("allreduce", "sharded"):

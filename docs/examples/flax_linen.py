@@ -44,7 +44,7 @@ print(dp.layout.summary())              # the buckets of the Flax params
 state = dp.init(params)
 for batch in batches(100):
     state, metrics = dp.step(state, batch)  # a numpy batch is split over "batch" for you
-trained = dp.params(state)              # the Flax params tree again
+trained = dp.unpack(state)              # the Flax params tree again
 # --8<-- [end:data_parallel]
 
 # --8<-- [start:evaluate]
@@ -61,7 +61,7 @@ def train(mode, steps=5):
     state = dp.init(params)
     for batch in batches(steps):
         state, _ = dp.step(state, batch)
-    return dp.params(state)
+    return dp.unpack(state)
 
 packed = train("packed")                 # the same batches for every mode
 for mode in ("allreduce", "sharded"):
@@ -113,13 +113,14 @@ def bn_loss(params, batch_stats, batch):
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     return loss, updates["batch_stats"]  # (loss, new model state)
 
-dp = jpack.data_parallel(bn_loss, optax.adamw(1e-2), bn_params, mesh, has_state=True)
+dp = jpack.data_parallel(bn_loss, optax.adamw(1e-2), bn_params, mesh)
 state = dp.init(bn_params, batch_stats)   # the model state is carried next to the params
 for batch in batches(100):
     state, metrics = dp.step(state, batch)
 
-eval_logits = CNNish().apply({"params": dp.params(state), "batch_stats": state.model_state},
-                             test["image"], train=False)
+trained_params, trained_stats = dp.unpack(state)   # what init took, on one device
+eval_variables = {"params": trained_params, "batch_stats": trained_stats}
+eval_logits = CNNish().apply(eval_variables, test["image"], train=False)
 bn_accuracy = float((eval_logits.argmax(-1) == test["label"]).mean())
 print(f"with BatchNorm: test accuracy {bn_accuracy:.2f}")
 assert bn_accuracy > 0.8

@@ -66,13 +66,13 @@ try:
     jpack.data_parallel(loss_of_both, optax.sgd(0.1), (params, model_state))
 except TypeError as error:
     print(error)
-    assert "has_state=True" in str(error)
+    assert "dp.init(params, model_state)" in str(error)
 # --8<-- [end:wrong]
 
 # --8<-- [start:data_parallel]
 mesh = jax.make_mesh((jax.device_count(),), ("batch",))
 tx = optax.sgd(0.05, momentum=0.9)
-dp = jpack.data_parallel(loss_fn, tx, params, mesh, has_state=True)
+dp = jpack.data_parallel(loss_fn, tx, params, mesh)
 print(dp.layout.summary())              # the buckets of the Haiku params (no state)
 
 state = dp.init(params, model_state)    # the model state is carried next to the params
@@ -82,8 +82,9 @@ for batch in batches(100):
 
 # --8<-- [start:evaluate]
 test = next(batches(1, size=1024, seed=2))
-logits, _ = model.apply(dp.params(state), state.model_state, None, test["image"],
-                        is_training=False)       # the moving averages, not the batch's
+trained_params, trained_state = dp.unpack(state)   # what init took, on one device
+logits, _ = model.apply(trained_params, trained_state, None,
+                        test["image"], is_training=False)  # the moving averages
 accuracy = float((logits.argmax(-1) == test["label"]).mean())
 print(f"loss {float(metrics['loss']):.3f}, test accuracy {accuracy:.2f}")
 assert accuracy > 0.6
@@ -91,11 +92,11 @@ assert accuracy > 0.6
 
 # --8<-- [start:modes]
 def train(mode, loss_fn=loss_fn, steps=5):
-    dp = jpack.data_parallel(loss_fn, tx, params, mesh, mode=mode, has_state=True)
+    dp = jpack.data_parallel(loss_fn, tx, params, mesh, mode=mode)
     state = dp.init(params, model_state)
     for batch in batches(steps):
         state, _ = dp.step(state, batch)
-    return dp.params(state), state.model_state
+    return dp.unpack(state)              # (params, model_state)
 
 packed = train("packed")                 # the same batches for every mode
 for mode in ("allreduce", "sharded"):
@@ -132,7 +133,7 @@ def dropout_loss(params, model_state, batch):
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     return loss, {"haiku": haiku_state, "rng": next_rng}
 
-dp = jpack.data_parallel(dropout_loss, tx, params, mesh, has_state=True)
+dp = jpack.data_parallel(dropout_loss, tx, params, mesh)
 state = dp.init(params, {"haiku": model_state, "rng": jax.random.key(1)})
 for batch in batches(5):
     state, metrics = dp.step(state, batch)

@@ -47,7 +47,7 @@ print(dp.layout.summary(leaves=True))   # the leaves of the nnx.State, by path
 state = dp.init(params)
 for batch in batches(100):
     state, metrics = dp.step(state, batch)  # a numpy batch is split over "batch" for you
-nnx.update(model, dp.params(state))         # write the trained parameters into the model
+nnx.update(model, dp.unpack(state))         # write the trained parameters into the model
 # --8<-- [end:data_parallel]
 
 # --8<-- [start:evaluate]
@@ -63,7 +63,7 @@ def train(mode, steps=5):
     state = dp.init(params)
     for batch in batches(steps):
         state, _ = dp.step(state, batch)
-    return dp.params(state)            # an nnx.State like `params`
+    return dp.unpack(state)            # an nnx.State like `params`
 
 packed = train("packed")
 for mode in ("allreduce", "sharded"):

@@ -102,7 +102,7 @@ def train(manager, dp, params, steps, x, y, log_every=10):
         state, key = dp.init(params), jax.random.key(1)
     else:  # the last finished checkpoint, whatever device count and mode saved it
         like = jax.eval_shape(dp.init, params)  # structure only, computes nothing
-        state, key = jpack.optax.restore_checkpoint(manager, like)
+        state, key = jpack.checkpoint.restore(manager, like)
     start = int(state.step)
     print(f"{jax.device_count()} devices, from step {start}", flush=True)
     for step in range(start, steps):
@@ -111,8 +111,8 @@ def train(manager, dp, params, steps, x, y, log_every=10):
             print(f"step {step + 1} loss {float(metrics['loss']):.4f}", flush=True)
         # Returns at once on the other steps; on a save step, once the state is copied
         # to the host: the files are written while the next steps run.
-        if jpack.optax.save_checkpoint(manager, step + 1, state, key=key,
-                                       force=step + 1 == steps):
+        if jpack.checkpoint.save(manager, step + 1, state, key=key,
+                                 force=step + 1 == steps):
             print(f"saving step {step + 1}", flush=True)
     manager.wait_until_finished()
     return state
@@ -151,7 +151,8 @@ def hold_save(directory, step):
 
 def write_final(path, dp, state):
     """The final params and optimizer state, to compare runs leaf by leaf."""
-    tree = {"params": dp.params(state), "opt_state": jpack.optax.gather_state(state.opt_state),
+    tree = {"params": dp.unpack(state),
+            "opt_state": jpack.checkpoint.gather_state(state.opt_state),
             "step": state.step}
     np.savez(path, **{jax.tree_util.keystr(p): np.asarray(v)
                       for p, v in jax.tree_util.tree_leaves_with_path(tree)})

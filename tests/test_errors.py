@@ -1,5 +1,6 @@
 """What a new user trips on gets an error that names the fix: a loss that does not fit
-``has_state`` / ``has_aux``, model state in the params, a state that ``step`` donated."""
+the model state given to init (or not) / ``has_aux``, model state in the params, a state
+that ``step`` donated."""
 
 import functools
 
@@ -56,7 +57,13 @@ def build(loss, mode="packed", **flags):
   return jpack.data_parallel(loss, optax.adam(1e-2), params, mode=mode, **flags)
 
 
-# -- the loss's signature, at build time -------------------------------------------------
+def init(dp, with_state):
+  """``dp.init(params, model_state)`` or ``dp.init(params)``."""
+  params, model_state = init_model(jax.random.key(0))
+  return dp.init(params, model_state) if with_state else dp.init(params)
+
+
+# -- the loss's signature, at init (which says whether there is a model state) -----------
 
 
 class StatefulLoss:
@@ -72,28 +79,35 @@ def loss_with_model(params, model_state, batch, *, model):
 @pytest.mark.parametrize("loss", [
     stateful_loss, StatefulLoss(), functools.partial(loss_with_model, model="net"),
     jax.jit(stateful_loss)], ids=["function", "callable", "partial", "jit"])
-def test_a_loss_that_takes_a_model_state_without_has_state_names_the_flag(loss):
+def test_a_loss_that_takes_a_model_state_without_one_given_to_init_says_how(loss):
   # Python's own error would be "missing 1 required positional argument", at the step.
-  with pytest.raises(TypeError, match=r"takes 3 arguments, but data_parallel was built "
-                     r"without has_state=True.*'model_state' is the model's state.*"
-                     r"pass has_state=True"):
-    build(loss)
+  dp = build(loss)
+  with pytest.raises(TypeError, match=r"takes 3 arguments, but init got no model state, so "
+                     r"the step calls loss_fn\(params, batch\).*'model_state' is the "
+                     r"model's state.*pass its first value to init: "
+                     r"dp.init\(params, model_state\)"):
+    init(dp, with_state=False)
+  init(dp, with_state=True)  # the same step, with the state: fine
 
 
-def test_has_state_with_a_loss_that_takes_none_names_the_flag():
+def test_a_model_state_given_with_a_loss_that_takes_none_says_how():
+  dp = build(plain_loss)
   with pytest.raises(TypeError, match=r"loss_fn\(params, batch\) takes 2 arguments, but "
-                     r"data_parallel\(\.\.\., has_state=True\) calls loss_fn\(params, "
-                     r"model_state, batch\)\. Drop has_state=True"):
-    build(plain_loss, has_state=True)
+                     r"init got a model state, so the step calls loss_fn\(params, "
+                     r"model_state, batch\)\. Call dp.init\(params\) without one"):
+    init(dp, with_state=True)
+  init(dp, with_state=False)
 
 
 def test_a_loss_with_other_required_arguments_is_told_to_bind_them():
   def loss(params, batch, rng, temperature):
     return plain_loss(params, batch)
 
-  with pytest.raises(TypeError, match=r"cannot be called as loss_fn\(params, batch\).*"
-                     r"functools\.partial"):
-    build(loss)
+  dp = build(loss)
+  for with_state, call in [(False, "batch"), (True, "model_state, batch")]:
+    with pytest.raises(TypeError, match=rf"cannot be called as loss_fn\(params, {call}\): "
+                       r"take exactly these positional arguments.*functools\.partial"):
+      init(dp, with_state)
   with pytest.raises(TypeError, match=r"loss_fn must be callable, got dict"):
     build({"loss": plain_loss})
 
@@ -106,20 +120,19 @@ def test_a_loss_taking_args_is_checked_when_the_step_traces():
   dp = build(wrapped)
   state = dp.init(init_model(jax.random.key(0))[0])
   with pytest.raises(TypeError, match=r"missing 1 required positional argument(.|\n)*"
-                     r"If loss_fn's own signature refused this call: with has_state=False, "
-                     r"has_aux=False, data_parallel calls loss_fn\(params, batch\)(.|\n)*"
-                     r"needs has_state=True"):
+                     r"If loss_fn's own signature refused this call: with has_aux=False and "
+                     r"no model state given to init, data_parallel calls "
+                     r"loss_fn\(params, batch\)(.|\n)*is given its first value by "
+                     r"dp.init\(params, model_state\)"):
     dp.step(state, data())
 
 
 # -- what the loss returns, when the step traces ----------------------------------------
 
 
-def _step_once(loss, mode="packed", **flags):
-  params, model_state = init_model(jax.random.key(0))
+def _step_once(loss, mode="packed", with_state=False, **flags):
   dp = build(loss, mode=mode, **flags)
-  state = dp.init(params, model_state) if flags.get("has_state") else dp.init(params)
-  return dp.step(state, data())
+  return dp.step(init(dp, with_state), data())
 
 
 @pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
@@ -129,9 +142,9 @@ def test_a_loss_returning_metrics_without_has_aux_names_the_flag(mode):
 
   # JAX's own error: "Gradient only defined for scalar-output functions".
   with pytest.raises(TypeError, match=r"loss_fn returned a tuple of 2 where the loss goes, "
-                     r"but with has_state=False, has_aux=False, data_parallel calls "
-                     r"loss_fn\(params, batch\) and takes back the scalar loss: a loss that "
-                     r"also returns metrics needs has_aux=True"):
+                     r"but with has_aux=False and no model state given to init, "
+                     r"data_parallel calls loss_fn\(params, batch\) and takes back the "
+                     r"scalar loss: a loss that also returns metrics needs has_aux=True"):
     _step_once(loss, mode)
 
 
@@ -142,17 +155,31 @@ def test_state_and_metrics_without_has_aux_names_the_flag():
 
   with pytest.raises(TypeError, match=r"returned \(loss, \(new_model_state, aux\)\).*"
                      r"pass has_aux=True"):
-    _step_once(loss, has_state=True)
+    _step_once(loss, with_state=True)
 
 
 def test_has_aux_without_metrics_names_the_flag_to_drop():
   with pytest.raises(TypeError, match=r"loss_fn returned an array of shape \(\), but with "
-                     r"has_state=False, has_aux=True.*takes back \(loss, aux\): if it "
-                     r"returns no aux, drop has_aux=True"):
+                     r"has_aux=True and no model state given to init.*takes back "
+                     r"\(loss, aux\): if it returns no aux, drop has_aux=True"):
     _step_once(plain_loss, has_aux=True)
   with pytest.raises(TypeError, match=r"loss_fn returned \(loss, rest\) with rest a dict, "
-                     r"but with has_state=True, has_aux=True.*drop has_aux=True"):
-    _step_once(stateful_loss, has_state=True, has_aux=True)
+                     r"but with has_aux=True and a model state given to init.*"
+                     r"drop has_aux=True"):
+    _step_once(stateful_loss, with_state=True, has_aux=True)
+
+
+def test_a_loss_returning_only_the_loss_with_a_model_state_says_how():
+  # The model state given to init, but loss_fn returns the loss alone.
+  def loss(params, model_state, batch):
+    return stateful_loss(params, model_state, batch)[0]
+
+  with pytest.raises(TypeError, match=r"loss_fn returned an array of shape \(\), but with "
+                     r"has_aux=False and a model state given to init, data_parallel calls "
+                     r"loss_fn\(params, model_state, batch\) and takes back "
+                     r"\(loss, new_model_state\): .*if it takes no model state, call "
+                     r"dp.init\(params\) without one"):
+    _step_once(loss, with_state=True)
 
 
 def test_a_model_state_that_is_a_pair_is_not_mistaken_for_state_and_aux():
@@ -164,7 +191,7 @@ def test_a_model_state_that_is_a_pair_is_not_mistaken_for_state_and_aux():
     return value, (new["bn"]["mean"], new["bn"]["counter"])
 
   params, _ = init_model(jax.random.key(0))
-  dp = build(loss, has_state=True)
+  dp = build(loss)
   state = dp.init(params, (jnp.zeros(16), jnp.zeros((), jnp.int32)))
   state, metrics = dp.step(state, data())
   assert int(state.model_state[1]) == 1 and np.isfinite(float(metrics["loss"]))
@@ -173,20 +200,21 @@ def test_a_model_state_that_is_a_pair_is_not_mistaken_for_state_and_aux():
 # -- model state in the params ----------------------------------------------------------
 
 
-def test_model_state_in_the_params_is_sent_to_has_state():
+def test_model_state_in_the_params_is_sent_to_init():
   params, model_state = init_model(jax.random.key(0))
   merged = {**params, "bn": {**params["bn"], **model_state["bn"]}}  # Haiku's state, merged
   with pytest.raises(TypeError, match=r"Param leaf at \['bn'\]\['counter'\] has dtype int32;"
-                     r".*looks like model state.*pass it apart, as model_state, with "
-                     r"data_parallel\(\.\.\., has_state=True\)"):
+                     r".*looks like model state.*pass it apart, as the model state: "
+                     r"dp.init\(params, model_state\), and loss_fn\(params, model_state, "
+                     r"batch\) -> \(loss, new_model_state\)"):
     jpack.data_parallel(plain_loss, optax.adam(1e-2), merged)
 
 
-def test_a_prng_key_in_the_params_is_sent_to_has_state():
+def test_a_prng_key_in_the_params_is_sent_to_init():
   params, _ = init_model(jax.random.key(0))
   params["dropout"] = {"rng": jax.random.key(1)}
   with pytest.raises(TypeError, match=r"Param leaf at \['dropout'\]\['rng'\] has dtype "
-                     r"key<threefry2x32>;.*PRNG-key leaf.*has_state=True"):
+                     r"key<threefry2x32>;.*PRNG-key leaf.*dp.init\(params, model_state\)"):
     jpack.data_parallel(plain_loss, optax.adam(1e-2), params, mode="sharded")
 
 
@@ -196,7 +224,7 @@ def test_a_prng_key_in_the_params_is_sent_to_has_state():
 @pytest.mark.parametrize("mode", ["packed", "allreduce", "sharded"])
 def test_reading_a_donated_state_says_step_donated_it(mode):
   params, model_state = init_model(jax.random.key(0))
-  dp = build(stateful_loss, mode=mode, has_state=True)
+  dp = build(stateful_loss, mode=mode)
   first = dp.init(params, model_state)
   second, _ = dp.step(first, data())
   stats = second.model_state                      # read before the next step: not a copy
@@ -205,11 +233,13 @@ def test_reading_a_donated_state_says_step_donated_it(mode):
   with pytest.raises(RuntimeError, match=r"already passed to step\(\), which donates the "
                      r"whole state \(params, opt_state, step and model_state\).*Read the "
                      r"state step\(\) returned, or copy"):
-    dp.params(second)
+    dp.unpack(second)
   with pytest.raises(RuntimeError, match=r"already passed to step\(\).*Use the state step\(\) "
                      r"returned"):
     dp.step(second, data())
   with pytest.raises(RuntimeError, match="deleted"):  # JAX's own, as TrainState says
     np.asarray(stats["bn"]["mean"])
   assert int(kept) == 1 and int(third.model_state["bn"]["counter"]) == 2
-  jax.tree.map(np.asarray, dp.params(third))
+  params, model_state = dp.unpack(third)  # what init took
+  jax.tree.map(np.asarray, params)
+  assert int(model_state["bn"]["counter"]) == 2

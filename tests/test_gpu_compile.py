@@ -120,11 +120,13 @@ def test_step_options_on_gpus_keep_the_users_disabled_passes(mesh, monkeypatch):
   assert options["xla_disable_hlo_passes"] == "foo,bar,all-reduce-contiguous"
   assert plan_options == {"num_shards": 1, "align_bytes": 16, "solo_ndim": 2}
   monkeypatch.delenv("XLA_FLAGS")
-  plan_options, options = jpack.step_options(mesh, sharded=True)
+  plan_options, options = jpack.step_options(mesh, "sharded")
   assert options["xla_disable_hlo_passes"] == "all-reduce-contiguous"
   assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 0
   assert plan_options["num_shards"] == 8
-  with pytest.raises(ValueError, match="'data'"):
+  assert jpack.step_options(mesh, jpack.Mode("sharded")) == (plan_options, options)
+  assert jpack.step_options(mesh, "allreduce")[0]["num_shards"] == 1
+  with pytest.raises(ValueError, match="mode must be one of .*, got 'data'"):
     jpack.step_options(mesh, "data")
 
 

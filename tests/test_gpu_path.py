@@ -164,7 +164,7 @@ def test_tree_out_of_a_collective_is_sliced_statically_on_gpu(batch):
 def test_gpu_zero1_with_bf16_params_reduces_f32_and_gathers_bf16(batch):
   masters = jax.tree.map(lambda x: x.astype(jnp.float32), _params())
   dp = jpack.data_parallel(_loss, optax.adam(1e-3), masters, mode="sharded",
-                           param_dtype=jnp.bfloat16)
+                           precision=jpack.Precision(param_dtype=jnp.bfloat16))
   text = _export(dp.step, dp.init(masters), batch, platform="cuda")
   colls = _collectives(text)
   scattered = [t for op, t in colls if op == "reduce_scatter"]

@@ -74,35 +74,25 @@ def test_batch_norm_matches_flax_on_one_device(mode, synchronised):
   batches = [_data(seed=i) for i in range(5)]
   params, stats = _variables()
   model = Net("batch" if synchronised else None)
-  dp = jpack.data_parallel(_loss_with(model), optax.adam(1e-2), params, mode=mode,
-                           has_state=True)
+  dp = jpack.data_parallel(_loss_with(model), optax.adam(1e-2), params, mode=mode)
   state = dp.init(params, stats)
   for batch in batches:
     state, metrics = dp.step(state, batch)
   want_params, want_stats = _reference(batches, per_device=not synchronised)
-  _close(dp.params(state), want_params)
   _close(state.model_state, want_stats)
+  # unpack gives back what init took: (params, model_state), on one device.
+  got_params, got_stats = dp.unpack(state)
+  _close(got_params, want_params)
+  _close(got_stats, want_stats)
+  assert all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(got_stats))
   assert np.isfinite(metrics["loss"])
-
-
-def test_pmap_step_carries_the_model_state():
-  batches = [_data(seed=i) for i in range(3)]
-  params, stats = _variables()
-  dp = jpack.data_parallel(_loss_with(Net("batch")), optax.adam(1e-2), params,
-                           has_state=True, use_pmap=True)
-  state = dp.init(params, stats)
-  for batch in batches:
-    state, _ = dp.step(state, batch)
-  want_params, want_stats = _reference(batches, per_device=False)
-  _close(dp.params(state), want_params)
-  _close(jax.tree.map(lambda x: x[0], state.model_state), want_stats)
 
 
 def test_accumulated_micro_batches_update_the_state_in_turn():
   k = 2
   params, stats = _variables()
   dp = jpack.data_parallel(_loss_with(Net("batch")), optax.sgd(0.1), params,
-                           mode="packed", has_state=True, accumulate=k)
+                           mode="packed", accumulate=k)
   batch = _data()
   state, _ = dp.step(dp.init(params, stats), batch)
   # Micro-batch j is rows j of every device's k groups: BatchNorm over them, in turn.
@@ -115,16 +105,22 @@ def test_accumulated_micro_batches_update_the_state_in_turn():
     grads, want_stats = jax.grad(loss, has_aux=True)(params, want_stats, rows)
     total = jax.tree.map(jnp.add, total, grads)
   want = jax.tree.map(lambda p, g: p - 0.1 * g / k, params, total)
-  _close(dp.params(state), want)
+  got_params, got_stats = dp.unpack(state)
+  _close(got_params, want)
+  _close(got_stats, want_stats)
   _close(state.model_state, want_stats)
 
 
-def test_init_needs_the_model_state_and_only_with_has_state():
+def test_init_takes_a_model_state_exactly_when_the_loss_does():
   params, stats = _variables()
-  dp = jpack.data_parallel(_loss_with(Net()), optax.sgd(0.1), params, has_state=True)
-  with pytest.raises(TypeError, match=r"init\(params, model_state\)"):
+  dp = jpack.data_parallel(_loss_with(Net()), optax.sgd(0.1), params)
+  with pytest.raises(TypeError, match=r"takes 3 arguments, but init got no model state.*"
+                     r"dp.init\(params, model_state\)"):
     dp.init(params)
+  assert jax.tree.structure(dp.init(params, stats).model_state) == jax.tree.structure(stats)
   plain = jpack.data_parallel(lambda p, b: jnp.sum(p["Dense_1"]["bias"]), optax.sgd(0.1),
                               params)
-  with pytest.raises(TypeError, match="has_state=True"):
+  with pytest.raises(TypeError, match=r"takes 2 arguments, but init got a model state.*"
+                     r"Call dp.init\(params\) without one"):
     plain.init(params, stats)
+  assert plain.init(params).model_state is None

@@ -104,7 +104,7 @@ def test_data_parallel_matches_optax(mode, name):
   state = dp.init(params0())
   for batch in batches():
     state, _ = dp.step(state, batch)
-  assert_close(dp.params(state), optax_on_one_device(make()))
+  assert_close(dp.unpack(state), optax_on_one_device(make()))
 
 
 def test_adamw_mask_keeps_adam_and_the_mask_on_buckets_and_says_so(caplog):

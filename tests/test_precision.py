@@ -53,7 +53,7 @@ def test_param_dtype_must_be_floating(bad):
     jpack.cast_params({"w": jnp.ones(2)}, bad)
   with pytest.raises(ValueError, match="floating"):
     jpack.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), {"w": jnp.ones(8)},
-                        param_dtype=bad)
+                        precision=jpack.Precision(param_dtype=bad))
 
 
 def test_param_dtype_tree_must_match():
@@ -62,9 +62,18 @@ def test_param_dtype_tree_must_match():
 
 
 def test_param_dtype_needs_packed_or_sharded_mode():
-  with pytest.raises(ValueError, match="mode='packed' or mode='sharded'"):
+  with pytest.raises(ValueError, match=r"Precision\(param_dtype=\.\.\.\) needs "
+                     r"mode='packed' or mode='sharded'"):
     jpack.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), {"w": jnp.ones(8)},
-                        mode="allreduce", param_dtype=BF16)
+                        mode="allreduce", precision=jpack.Precision(param_dtype=BF16))
+
+
+def test_precision_must_be_a_precision():
+  # The dtypes travel together in a jpack.Precision, not as a bare dtype.
+  with pytest.raises(TypeError, match=r"precision must be a jpack.Precision\(param_dtype=\.\.\., "
+                     r"comm_dtype=\.\.\.\), got tuple"):
+    jpack.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), {"w": jnp.ones(8)},
+                        precision=(BF16, None))
 
 
 def test_masters_need_full_precision_tree():
@@ -169,11 +178,11 @@ def test_bf16_params_match_reference(mode, n):
   mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   dp = jpack.data_parallel(_loss, optax.adam(1e-2), masters, mesh, mode=mode,
-                           param_dtype=POLICY)
+                           precision=jpack.Precision(param_dtype=POLICY))
   state = dp.init(masters)
   for batch in batches:
     state, _ = dp.step(state, batch)
-  got = dp.params(state)
+  got = dp.unpack(state)
   want_masters = _reference(masters, batches, n, steps)
   want = jpack.cast_params(want_masters, POLICY)
   assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
@@ -215,7 +224,8 @@ def test_sharded_bf16_memory_is_zero1_formula():
       h = jnp.tanh(h @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"])
     return jnp.mean(h.astype(jnp.float32) ** 2)
 
-  dp = jpack.data_parallel(loss, optax.adam(1e-3), masters, mode="sharded", param_dtype=BF16)
+  dp = jpack.data_parallel(loss, optax.adam(1e-3), masters, mode="sharded",
+                           precision=jpack.Precision(param_dtype=BF16))
   state = dp.init(masters)
   state, _ = dp.step(state, jnp.ones((2 * n, widths[0])))
   assert all(b.dtype == BF16 for b in state.params.buckets)
@@ -236,7 +246,7 @@ def test_sharded_bf16_gathers_params_in_bf16():
   gathered = {}
   for dtype in (None, BF16):
     dp = jpack.data_parallel(_loss, optax.adam(1e-3), masters, mode="sharded",
-                             param_dtype=dtype)
+                             precision=jpack.Precision(param_dtype=dtype))
     hlo = jax.jit(dp.step, donate_argnums=0).lower(dp.init(masters), batch).compile().as_text()
     gathered[dtype] = [line for line in hlo.splitlines() if " all-gather(" in line]
   def elements(lines, types):
@@ -258,29 +268,29 @@ def test_gather_and_scatter_state_keep_masters():
   masters = _mlp(jax.random.key(5))
   n = jax.device_count()
   dp = jpack.data_parallel(_loss, optax.adam(1e-2), masters, mode="sharded",
-                           param_dtype=POLICY)
+                           precision=jpack.Precision(param_dtype=POLICY))
   state = dp.init(masters)
   for i in range(3):
     state, _ = dp.step(state, _batch(jax.random.key(i), 2 * n))
-  saved = jpack.optax.gather_state(state.opt_state)
+  saved = jpack.checkpoint.gather_state(state.opt_state)
   # The saved masters are the full-precision params tree.
   assert jax.tree.structure(saved["master"]) == jax.tree.structure(masters)
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(saved["master"]))
   np.testing.assert_array_equal(
       np.asarray(jpack.cast_params(saved["master"], POLICY)["layer0"]["w"], np.float32),
-      np.asarray(dp.params(state)["layer0"]["w"], np.float32))
+      np.asarray(dp.unpack(state)["layer0"]["w"], np.float32))
   # Restored onto 4 devices, training goes on from the same masters.
   mesh4 = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4],
                         axis_types=(jax.sharding.AxisType.Explicit,))
   dp4 = jpack.data_parallel(_loss, optax.adam(1e-2), masters, mesh4, mode="sharded",
-                            param_dtype=POLICY)
+                            precision=jpack.Precision(param_dtype=POLICY))
   like = jax.eval_shape(dp4.init, masters)
-  restored = jpack.optax.scatter_state(saved, like.opt_state)
+  restored = jpack.checkpoint.scatter_state(saved, like.opt_state)
   fresh = dp4.init(masters)
   state4 = fresh._replace(params=jpack.pack(jpack.cast_params(saved["master"], POLICY),
                                             dp4.layout),
                           opt_state=restored)
   state4, metrics = dp4.step(state4, _batch(jax.random.key(9), 8))
   assert np.isfinite(float(metrics["loss"]))
-  again = jpack.optax.gather_state(state4.opt_state)
+  again = jpack.checkpoint.gather_state(state4.opt_state)
   assert jax.tree.structure(again) == jax.tree.structure(saved)

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Literal
 
 from jpack._collectives import Shards, axis_size, gather_bucket, vary
-from jpack._pack import Packed, unpack
 
 # The names the checkpoint policy leaves out of the saved residuals.
 _GATHERED = "jpack_gathered"
@@ -91,18 +91,79 @@ def gradient_carrier(loss_fn: Callable[..., Any], axis_name: Any, *,
   device's slice of the mean gradient in that dtype."""
 
   def loss(shards, carriers, *args):
-    gathered = tuple(_gather(b, c, axis_name) for b, c in zip(shards.buckets, carriers))
-    if not keep_gathered:
-      gathered = tuple(checkpoint_name(g, _GATHERED) for g in gathered)
-    params = unpack(Packed(gathered, shards.layout))
-    if not keep_gathered:
-      params = jax.tree.map(lambda x: checkpoint_name(x, _GATHERED),
-                            params)
-    return loss_fn(params, *args)
+    return _in_order(loss_fn, shards, carriers, args, axis_name, keep_gathered)
 
   if keep_gathered:
     return loss
   return jax.checkpoint(loss, policy=_policy)
+
+
+def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, ...],
+              args: tuple[Any, ...], axis_name: Any, keep_gathered: bool) -> Any:
+  """``loss_fn(params, *args)``, each bucket gathered where the loss first reads it.
+
+  The loss is traced to a jaxpr and evaluated equation by equation. A bucket is gathered
+  when the equation that first reads one of its leaves is reached, and its gather is
+  made to wait (an optimization barrier) for the equation where the bucket read before
+  it was first read: XLA can then overlap it with one bucket's worth of compute, but
+  cannot gather everything at the start (which it does with independent gathers, and
+  which holds every parameter for the whole forward pass). Equations that hold their
+  own jaxprs (a ``jax.jit``, ``jax.checkpoint`` or ``lax.scan`` of the user's) read
+  their buckets whole."""
+  layout = shards.layout
+  # Stand-ins with the gathered leaves' types (varying over the axis), for tracing only.
+  stand_ins = vary([jnp.zeros(s.shape, b.dtype) for s, b in
+                    ((s, layout.buckets[s.bucket]) for s in layout.slots)], axis_name)
+  closed, out_shape = jax.make_jaxpr(
+      lambda leaves, *a: loss_fn(layout.treedef.unflatten(leaves), *a),
+      return_shape=True)(stand_ins, *args)
+  jaxpr = closed.jaxpr
+  leaf_vars = jaxpr.invars[:len(layout.slots)]
+  bucket_of = {v: layout.slots[i].bucket for i, v in enumerate(leaf_vars)}
+  first = {}  # bucket -> index of the first equation reading it
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, Literal) and v in bucket_of:
+        first.setdefault(bucket_of[v], i)
+  order = sorted(first, key=first.get)
+  after = {first[a]: b for a, b in zip(order, order[1:])}  # gather b once a is read
+
+  env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars[len(layout.slots):], jax.tree.leaves(args)))
+
+  def gather(b, wait=None):
+    """Gather bucket ``b``, after ``wait`` (an equation's output variable) is computed:
+    the rest of the loss reads ``wait`` through the barrier, which keeps it there."""
+    shard = shards.buckets[b]
+    if wait is not None:
+      shard, env[wait] = lax.optimization_barrier((shard, env[wait]))
+    full = _gather(shard, carriers[b], axis_name)
+    if not keep_gathered:
+      full = checkpoint_name(full, _GATHERED)
+    for i in layout.buckets[b].slots:
+      s = layout.slots[i]
+      leaf = lax.slice_in_dim(full, s.offset, s.offset + s.size).reshape(s.shape)
+      env[leaf_vars[i]] = leaf if keep_gathered else checkpoint_name(leaf, _GATHERED)
+
+  if order:
+    gather(order[0])
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:  # read before its turn (not expected): gathered now
+      if not isinstance(v, Literal) and v in bucket_of and v not in env:
+        gather(bucket_of[v])
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+      out = eqn.primitive.bind(*[v.val if isinstance(v, Literal) else env[v]
+                                 for v in eqn.invars], **params)
+    out = out if eqn.primitive.multiple_results else [out]
+    env.update(zip(eqn.outvars, out))
+    if i in after:
+      gather(after[i], wait=eqn.outvars[0])
+  for v in jaxpr.outvars:  # a leaf returned as it is
+    if not isinstance(v, Literal) and v in bucket_of and v not in env:
+      gather(bucket_of[v])
+  outs = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 # Outputs of these are recomputed in the backward pass rather than saved: they are cheap,

@@ -2,7 +2,7 @@
 one process on other device counts.
 
 tests/mp/ckpt_worker.py trains in the sharded and the packed mode over the 4 global
-devices, saves at step SAVE with `jpack.optax.save_checkpoint` (every process calls it),
+devices, saves at step SAVE with `jpack.checkpoint.save` (every process calls it),
 trains on to TOTAL, and restores each checkpoint into the other mode on the same
 processes. Here, in one process on 8 CPU devices (conftest.py), each checkpoint is
 restored on 8 and 2 devices, checked against plain optax on one device at step SAVE,
@@ -115,17 +115,17 @@ def test_a_multiprocess_checkpoint_restores_in_one_process(multiprocess_run, mod
   directory, results = multiprocess_run
   params = init_cnn(jax.random.key(0))
   dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh_of(n), mode=new_mode)
-  state, key = jpack.optax.restore_checkpoint(directory / mode,
+  state, key = jpack.checkpoint.restore(directory / mode,
                                               jax.eval_shape(dp.init, params))
   assert int(state.step) == SAVE and bool(key == jax.random.key(7))
   # What the 2 processes saved (sharded: the buckets gathered from both) is plain
   # optax's state at step SAVE.
   ref_params, ref_opt = reference(SAVE)
-  assert_close(dp.params(state), ref_params, 2e-4)
-  assert_close(jpack.optax.gather_state(_checkpoint._optimizer_part(state.opt_state)),
+  assert_close(dp.unpack(state), ref_params, 2e-4)
+  assert_close(jpack.checkpoint.gather_state(_checkpoint._optimizer_part(state.opt_state)),
                ref_opt, 2e-4)
   # The same remaining steps here end where the multi-process run did.
   x, y = data(TOTAL)
   for i in range(SAVE, TOTAL):
     state, _ = dp.step(state, (x[i], y[i]))
-  assert_close(dp.params(state), results[0]["final"][mode], 1e-5)
+  assert_close(dp.unpack(state), results[0]["final"][mode], 1e-5)

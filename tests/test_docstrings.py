@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["jpack._layout", "jpack._pack", "jpack._collectives", "jpack._transforms",
-           "jpack._sharded"]
+           "jpack._sharded", "jpack._labels", "jpack._precision"]
 
 
 @pytest.mark.parametrize("name", MODULES)

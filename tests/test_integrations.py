@@ -2,9 +2,10 @@
 
 For each integration the reference is the framework's own single-device training loop on
 the full batch (Flax's TrainState, nnx.Optimizer, eqx.filter_value_and_grad; for Haiku's
-BatchNorm, whose state goes through has_state=True, hk.transform_with_state and optax); every
-`jpack.data_parallel` mode on the 8 CPU devices of conftest.py, and a hand-written
-`jax.shard_map` step with `jpack.optax.allreduce`, must land on the same params. The
+BatchNorm, whose state is given to dp.init(params, model_state), hk.transform_with_state
+and optax); every `jpack.data_parallel` mode on the 8 CPU devices of conftest.py, and a
+hand-written `jax.shard_map` step with `jpack.optax.allreduce`, must land on the same
+params. The
 how-to pages' code (docs/examples/) runs here too, an Orbax checkpoint of a ZeRO-1 run
 resumes on another device count, and mistakes a Flax or Equinox user makes are refused
 with errors that say what to do.
@@ -193,7 +194,7 @@ def train_with_jpack(integration, mode):
     state = dp.init(integration.params)
     for batch in batches():
       state, _ = dp.step(state, batch)
-    return dp.params(state)
+    return dp.unpack(state)
 
   chain = optax.chain(jpack.optax.allreduce("batch"), tx())
 
@@ -245,7 +246,7 @@ def test_equinox_static_leaves_go_through_the_step_untouched():
   dp = jpack.data_parallel(integration.loss_fn, tx(), integration.params, mode="sharded")
   assert {s.path for s in dp.layout.slots} == {".hidden.weight", ".hidden.bias", ".out.weight"}
   state, _ = dp.step(dp.init(integration.params), batches()[0])
-  trained = dp.params(state)
+  trained = dp.unpack(state)
   assert trained.activation is None and trained.classes is None and trained.out.bias is None
   _, static = eqx.partition(EqxMLP(jax.random.key(0)), eqx.is_inexact_array)
   model = eqx.combine(trained, static)
@@ -265,8 +266,8 @@ def test_orbax_checkpoint_of_a_zero1_run_resumes_on_another_device_count(tmp_pat
   state = dp8.init(integration.params)
   first, *rest = batches()
   state, _ = dp8.step(state, first)
-  ckpt = {"params": jax.device_get(dp8.params(state)),
-          "opt_state": jpack.optax.gather_state(jax.device_get(state.opt_state)),
+  ckpt = {"params": jax.device_get(dp8.unpack(state)),
+          "opt_state": jpack.checkpoint.gather_state(jax.device_get(state.opt_state)),
           "step": jax.device_get(state.step)}
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp_path / "step_1", ckpt)
@@ -279,18 +280,18 @@ def test_orbax_checkpoint_of_a_zero1_run_resumes_on_another_device_count(tmp_pat
   dp4 = jpack.data_parallel(integration.loss_fn, tx(), restored["params"], mesh4,
                             mode="sharded")
   fresh = dp4.init(restored["params"])
-  opt_state = jpack.optax.scatter_state(restored["opt_state"], like=fresh.opt_state)
+  opt_state = jpack.checkpoint.scatter_state(restored["opt_state"], like=fresh.opt_state)
   resumed = fresh._replace(
       opt_state=jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, fresh.opt_state)),
       step=jax.device_put(restored["step"], fresh.step.sharding))
   resumed, _ = dp4.step(resumed, rest[0])
   state, _ = dp8.step(state, rest[0])
   assert int(resumed.step) == int(state.step) == 2
-  assert_same_params(dp4.params(resumed), dp8.params(state))
+  assert_same_params(dp4.unpack(resumed), dp8.unpack(state))
 
 
 # Haiku: hk.transform_with_state; BatchNorm's state (moving averages and int32 counters)
-# goes to data_parallel(..., has_state=True) as model_state, not into the params.
+# is given to dp.init(params, model_state) as the model state, not put into the params.
 
 def haiku_resnet(x, cross_replica_axis=None):
   """A residual block with BatchNorm on 4x4 images (the FEATURES as pixels)."""
@@ -364,8 +365,7 @@ def test_haiku_batch_norm_matches_haiku_on_one_device(mode, per_device):
   params, model_state = hk.transform_with_state(haiku_resnet).init(
       jax.random.key(0), batches()[0][0])
   dp = jpack.data_parallel(haiku_loss(None if per_device else "batch"), haiku_sgd(),
-                           params, jax.make_mesh((8,), ("batch",)), mode=mode,
-                           has_state=True)
+                           params, jax.make_mesh((8,), ("batch",)), mode=mode)
   state = dp.init(params, model_state)
   for batch in batches():
     state, _ = dp.step(state, batch)
@@ -373,18 +373,21 @@ def test_haiku_batch_norm_matches_haiku_on_one_device(mode, per_device):
   moved = max(np.abs(np.asarray(a) - np.asarray(b)).max()
               for a, b in zip(jax.tree.leaves(want_params), jax.tree.leaves(params)))
   assert moved > 1e-2  # the reference trained
-  assert_same_params(dp.params(state), want_params)
+  got_params, got_state = dp.unpack(state)  # what init took: params and model state
+  assert_same_params(got_params, want_params)
+  assert_same_params(got_state, want_state)
   assert_same_params(state.model_state, want_state)
   counters = [x for x in jax.tree.leaves(state.model_state) if x.dtype == jnp.int32]
   assert counters and all(int(c) == STEPS for c in counters)
 
 
-def test_haiku_state_in_the_params_is_refused_naming_has_state():
+def test_haiku_state_in_the_params_is_refused_naming_where_the_model_state_goes():
   # Haiku's state next to the params: its int32 counters cannot be differentiated, and
   # the error says where the state goes instead.
   params, model_state = hk.transform_with_state(haiku_resnet).init(
       jax.random.key(0), batches()[0][0])
-  with pytest.raises(TypeError, match=r"(?s)\['counter'\] has dtype int32.*has_state=True"):
+  with pytest.raises(TypeError, match=r"(?s)\['counter'\] has dtype int32.*"
+                                      r"dp\.init\(params, model_state\)"):
     jpack.data_parallel(lambda both, batch: 0.0, haiku_sgd(), (params, model_state))
 
 

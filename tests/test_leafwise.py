@@ -1,4 +1,5 @@
-"""Trust ratios and static masks computed on buckets and on ZeRO-1's slices, leaf by leaf:
+"""Trust ratios and static masks computed on buckets and on ZeRO-1's slices, leaf by leaf,
+and optax.clip_by_global_norm on them (one norm of all the buckets, or of all the slices):
 one update against optax on the tree, for random trees, alignments and bucket caps."""
 
 import logging
@@ -36,7 +37,9 @@ def trees(draw):
 
 
 def optimizers(mask):
-  """What lamb, lars and adamw(mask=...) are made of, with hyperparameters set."""
+  """What lamb, lars and adamw(mask=...) are made of, with hyperparameters set, and the
+  global-norm clip put before them (a norm that clips most of these trees, and one that
+  clips few)."""
   return [
       optax.scale_by_trust_ratio(),
       optax.scale_by_trust_ratio(min_norm=0.5, trust_coefficient=0.3, eps=1e-3),
@@ -44,6 +47,9 @@ def optimizers(mask):
       optax.masked(optax.scale_by_trust_ratio(), lambda p: mask),
       optax.chain(optax.add_decayed_weights(0.1, mask=mask), optax.scale_by_trust_ratio(),
                   optax.scale(-0.1)),
+      optax.clip_by_global_norm(1.0),
+      optax.chain(optax.clip_by_global_norm(30.0), optax.masked(optax.scale_by_trust_ratio(),
+                                                                lambda p: mask)),
   ]
 
 

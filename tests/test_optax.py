@@ -108,7 +108,7 @@ def test_flat_with_labels_masks_weight_decay_and_freezes():
   transforms = {"decay": optax.adamw(1e-2, weight_decay=0.5), "no_decay": optax.adam(1e-2),
                 "frozen": optax.set_to_zero()}
   got = run(optax.chain(jpack.optax.allreduce("batch"),
-                        jpack.optax.flat(transforms, labels=labels)), 20)
+                        jpack.optax.flat(jpack.optax.partition(transforms, labels))), 20)
   want = run(optax.multi_transform(transforms, labels), 20, reduce=per_leaf_pmean)
   assert_trees_close(got, want)
   np.testing.assert_array_equal(got["norm"]["scale"], params0()["norm"]["scale"])
@@ -130,14 +130,16 @@ def test_persistent_packed_params_with_plain_optax():
 
 
 def test_flat_errors():
-  with pytest.raises(TypeError, match="labels= is required"):
+  # A dict of transformations takes its labels from jpack.optax.partition.
+  with pytest.raises(TypeError, match=r"needs the labels.*jpack.optax.partition"):
     jpack.optax.flat({"a": optax.adam(1e-3)})
   with pytest.raises(TypeError, match="optax.GradientTransformation"):
     jpack.optax.flat("adam")
-  tx = jpack.optax.flat({"a": optax.adam(1e-3)}, labels=lambda p: jax.tree.map(lambda _: "b", p))
+  tx = jpack.optax.flat(jpack.optax.partition({"a": optax.adam(1e-3)},
+                                              lambda p: jax.tree.map(lambda _: "b", p)))
   with pytest.raises(ValueError, match=r"labels \['b'\] have no transformation"):
     tx.init(params0())
-  tx = jpack.optax.flat(optax.adam(1e-3), labels={"x": "a"})
+  tx = jpack.optax.flat(jpack.optax.partition({"a": optax.adam(1e-3)}, {"x": "a"}))
   with pytest.raises(ValueError, match="tree structure of the params .* or a prefix"):
     tx.init(params0())
 
@@ -153,13 +155,18 @@ def on_leaves(caplog, make, labels=None):
   """``jpack.optax.flat(make())`` initialised: what its log line says runs on the leaves."""
   caplog.clear()
   with caplog.at_level(logging.INFO, logger="jpack"):
-    jpack.optax.flat(make(), labels=labels).init(params0())
+    jpack.optax.flat(with_labels(make(), labels)).init(params0())
   lines = [r.getMessage() for r in caplog.records if r.name == "jpack"]
   assert len(lines) <= 1, lines  # said once
   return lines[0] if lines else None
 
 
 ONE = lambda p: jax.tree.map(lambda _: "a", p)  # noqa: E731 - one label for every leaf
+
+
+def with_labels(inner, labels):
+  """``inner``, or with ``labels`` the `jpack.optax.partition` of its dict."""
+  return inner if labels is None else jpack.optax.partition(inner, labels)
 
 
 # Compared with one-device optax in tests/test_per_leaf.py: here only what the log says.
@@ -213,9 +220,9 @@ def test_flat_runs_what_needs_whole_leaves_per_leaf_like_optax(caplog, inner, cu
   if isinstance(want, dict):
     want = optax.multi_transform(want, ONE)
   got = run(optax.chain(jpack.optax.allreduce("batch"),
-                        jpack.optax.flat(inner(), labels=labels)), 6)
+                        jpack.optax.flat(with_labels(inner(), labels))), 6)
   assert_trees_close(got, run(want, 6, reduce=per_leaf_pmean))
-  jpack.data_parallel(loss, inner(), params0(), mode="packed", labels=labels)
+  jpack.data_parallel(loss, with_labels(inner(), labels), params0(), mode="packed")
 
 
 def test_flat_refuses_what_raises_on_the_params_with_the_error():
@@ -406,8 +413,8 @@ def test_flat_refuses_float_updates_for_integer_leaves_with_their_paths():
                                       r"leaves \(\['n'\]\).*optax.set_to_zero"):
     tx.update(grads, tx.init(params), params)
   # The way out the message names: the int leaf frozen by a label keeps its dtype.
-  tx = jpack.optax.flat({"t": optax.sgd(0.1), "f": optax.set_to_zero()},
-                        labels={"w": "t", "n": "f"})
+  tx = jpack.optax.flat(jpack.optax.partition({"t": optax.sgd(0.1), "f": optax.set_to_zero()},
+                                              {"w": "t", "n": "f"}))
   got, _ = tx.update(grads, tx.init(params), params)
   assert got["n"].dtype == jnp.int32 and not np.asarray(got["n"]).any()
   np.testing.assert_allclose(got["w"], np.full((3, 3), -0.05, np.float32))

@@ -6,9 +6,11 @@ with small hyperparameters found from its signature and must, in `jpack.optax.fl
 optimizer of data_parallel's "packed" mode) and in `jpack.optax.sharded` (ZeRO-1, the
 "sharded" mode; 8 CPU devices), either match plain optax on the mean gradient over five
 steps or be refused with a TypeError that names it. Never a silent difference, and never
-a refusal of the elementwise optimizers. ``flat`` runs what buckets would change on the
+a refusal of the elementwise optimizers, nor of the global-norm clip (computed on the
+buckets, and on the slices with one psum). ``flat`` runs what buckets would change on the
 leaves, so it refuses only what plain optax cannot run on these params either
-(`FLAT_REFUSED`); ``sharded`` refuses every transformation that is not elementwise.
+(`FLAT_REFUSED`); ``sharded`` refuses what neither its slices nor a device's own whole
+leaves can run.
 """
 
 import inspect
@@ -127,6 +129,10 @@ ELEMENTWISE = [
     "optax.contrib.scale_by_cocob", "optax.contrib.scale_by_madgrad",
 ]
 
+# Not per-coordinate, but jpack must run them on buckets and on slices too: the clip's
+# norm is the whole gradient's (the slices' sums of squares added up over the devices).
+NEVER_REFUSED = ELEMENTWISE + ["optax.clip_by_global_norm"]
+
 
 def _public_callables():
   seen = set()
@@ -195,7 +201,7 @@ def test_every_factory_is_built_or_classified():
   assert not UNKNOWN, (f"{UNKNOWN}: add their arguments to ARGUMENTS, or list them in "
                        "NOT_FACTORIES / NOT_BUILT with the reason.")
   assert len(FACTORIES) > 100
-  assert set(ELEMENTWISE) <= set(FACTORIES)
+  assert set(NEVER_REFUSED) <= set(FACTORIES)
   assert set(FLAT_REFUSED) <= set(FACTORIES)
 
 
@@ -269,7 +275,7 @@ def test_matches_optax_or_is_refused(name):
   init = jax.shard_map(sharded.init, mesh=mesh, in_specs=P(), out_specs=P(),
                        check_vma=False)
   sharded_refused = refusal(lambda: jax.eval_shape(init, params()))
-  if name in ELEMENTWISE:
+  if name in NEVER_REFUSED:
     assert not flat_refused and not sharded_refused, flat_refused or sharded_refused
   got_flat = got_sharded = None
   if not (flat_refused and sharded_refused):

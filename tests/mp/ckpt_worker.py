@@ -2,7 +2,7 @@
 tests/test_checkpoint_multiprocess.py).
 
 Trains in the sharded and the packed mode over the 4 global devices, saves each run with
-`jpack.optax.save_checkpoint` at step SAVE (every process calls it, as Orbax requires),
+`jpack.checkpoint.save` at step SAVE (every process calls it, as Orbax requires),
 trains on to TOTAL, then restores each checkpoint into the other mode's run, here too on
 several processes, and trains that on to TOTAL. Writes every run's final params (and the
 saved key) as JSON.
@@ -49,7 +49,7 @@ def train(dp, state, start, stop):
 
 def final_params(dp, state):
   # Replicated over both processes: this process's copy is the whole value.
-  return jax.tree.map(lambda v: np.asarray(v.addressable_data(0)).tolist(), dp.params(state))
+  return jax.tree.map(lambda v: np.asarray(v.addressable_data(0)).tolist(), dp.unpack(state))
 
 
 # Process 1 starts from other params: init's broadcast from process 0 makes them equal.
@@ -60,18 +60,18 @@ result = {"final": {}, "restored_final": {}}
 for mode, dp in runs.items():
   state = train(dp, dp.init(params), 0, SAVE)
   with ocp.CheckpointManager(directory / mode) as manager:
-    assert jpack.optax.save_checkpoint(manager, SAVE, state, key=jax.random.key(7))
+    assert jpack.checkpoint.save(manager, SAVE, state, key=jax.random.key(7))
     # The save is asynchronous: the next steps run while it is written.
     state = train(dp, state, SAVE, TOTAL)
   result["final"][mode] = final_params(dp, state)
 
-# Each checkpoint restored into the other mode on the same processes; restore_checkpoint
+# Each checkpoint restored into the other mode on the same processes; jpack.checkpoint.restore
 # gives host values, which dp.step places as global arrays. `like` is abstract for one
 # (jax.eval_shape(dp.init, ...)), a real state for the other (its values are not read).
 for mode, other in zip(MODES, MODES[::-1]):
   dp = runs[other]
   like = jax.eval_shape(dp.init, params) if mode == MODES[0] else dp.init(params)
-  restored, key = jpack.optax.restore_checkpoint(directory / mode, like)
+  restored, key = jpack.checkpoint.restore(directory / mode, like)
   assert int(restored.step) == SAVE and bool(key == jax.random.key(7)), (restored.step, key)
   result["restored_final"][mode] = final_params(dp, train(dp, restored, SAVE, TOTAL))
 json.dump(result, open(out, "w"))

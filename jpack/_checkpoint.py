@@ -308,8 +308,8 @@ def _scatter_node(tree_state: Any, like: FlatState | ShardedState,
     has = "has" if saved_masters else "has no"
     wants = "keeps" if like.master is not None else "keeps no"
     at = f" at {jax.tree_util.keystr(root)}" if root else ""
-    raise ValueError(f"The saved optimizer state{at} {has} master params (param_dtype=), "
-                     f"and the new run {wants} masters: use the same param_dtype= for both.")
+    raise ValueError(f"The saved optimizer state{at} {has} master params (Precision(param_dtype=)), "
+                     f"and the new run {wants} masters: use the same Precision(param_dtype=) for both.")
   master = None
   if saved_masters:
     master = _saved_to_buckets(root + (jax.tree_util.DictKey("master"),),
@@ -398,7 +398,7 @@ def _structure_error(got_tree: Any, want_tree: Any, root: tuple[Any, ...] = ()
                     f"structure (first difference: {first}): got "
                     f"{jax.tree.structure(got_tree)}, expected "
                     f"{jax.tree.structure(want_tree)}. Was it saved from the same inner "
-                    "transformation and labels=, for the same params?")
+                    "transformation (the same jpack.optax.partition), for the same params?")
 
 
 def _saved_to_buckets(path: Any, x: Any, layout: Layout) -> tuple[Any, ...]:
@@ -438,7 +438,7 @@ def _saved_to_buckets(path: Any, x: Any, layout: Layout) -> tuple[Any, ...]:
     if len(flags) > 1:
       raise ValueError(
           f"Bucket {b} of the new layout mixes leaves the saved state masks and leaves it "
-          "does not: plan the new run with the same labels= as the saved one.")
+          "does not: give the new run the same jpack.optax.partition labels as the saved one.")
     buckets.append(flags == {True})
   new_layout = retyped(layout, dtypes)
   zeros = [jnp.zeros(s.shape, s.dtype) if m else v
@@ -780,7 +780,7 @@ def _read_meta(manager: Any, step: int, where: str) -> dict[str, Any]:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
   except (FileNotFoundError, KeyError, ValueError) as e:
     raise ValueError(f"The checkpoint in {where} has no readable 'meta' item ({e}): "
-                     "it was not written by jpack.optax.save_checkpoint.") from None
+                     "it was not written by jpack.checkpoint.save.") from None
   version = meta.get("jpack_checkpoint") if isinstance(meta, dict) else None
   if isinstance(version, int) and version != FORMAT:
     raise ValueError(f"The checkpoint in {where} is in jpack's checkpoint format {version}; "
@@ -788,7 +788,7 @@ def _read_meta(manager: Any, step: int, where: str) -> dict[str, Any]:
                      "that wrote it.")
   if version != FORMAT:
     raise ValueError(f"The checkpoint in {where} was not written by "
-                     f"jpack.optax.save_checkpoint (format {FORMAT}): its 'meta' item is "
+                     f"jpack.checkpoint.save (format {FORMAT}): its 'meta' item is "
                      f"{str(meta)[:200]}.")
   return meta
 
@@ -808,7 +808,7 @@ def _target(like: Any, meta: dict[str, Any]) -> dict[str, Any]:
     has = "carries" if meta.get("model_state") is not None else "carries no"
     wants = "carries" if model_state is not None else "carries no"
     raise ValueError(f"The checkpoint {has} model_state and the new run's TrainState "
-                     f"{wants} model_state (data_parallel's has_state=): use the same "
+                     f"{wants} model_state (given to dp.init(params, model_state)): use the same "
                      "for both.")
   if model_state is not None:
     target["model_state"] = _abstract(model_state)
@@ -837,8 +837,8 @@ def _check_same(saved: list[list[Any]], new: list[list[Any]], what: str, where: 
   else:
     detail = "the same leaves come in another order"
   hint = {"params": "it is of another model.",
-          "optimizer state": "was it saved with the same optimizer, labels= and "
-                             "param_dtype=?",
+          "optimizer state": "was it saved with the same optimizer (partition "
+                             "labels included) and Precision(param_dtype=)?",
           "model_state": "was it saved from the same model?"}[what]
   prints = ""
   if fingerprint is not None:

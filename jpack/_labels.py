@@ -2,8 +2,8 @@
 the parts that need the leaves.
 
 `jpack.optax.flat`, `jpack.optax.sharded` and `jpack.data_parallel` take an optax
-transformation, or a dict ``{label: transformation}`` with per-leaf ``labels=`` as in
-`optax.multi_transform`. Leaves of different labels get different buckets, and each
+transformation, or a `partition` of several by per-leaf labels, as
+`optax.partition`. Leaves of different labels get different buckets, and each
 bucket is updated by its label's transformation.
 
 A transformation that reads each leaf's shape or values (lamb's trust ratio, adafactor's
@@ -80,6 +80,9 @@ def partition(transforms: Mapping[Any, optax.GradientTransformation],
     >>> sorted(tx.transforms)
     ['frozen', 'train']
   """
+  if not isinstance(transforms, Mapping):
+    raise TypeError(f"jpack.optax.partition takes a dict {{label: transformation}} first, "
+                    f"got {type(transforms).__name__}: for one optimizer, pass it alone.")
   check_inner(dict(transforms), param_labels)
   tx = multi_transform(transforms, param_labels)
   return _Partition(tx.init, tx.update, dict(transforms), param_labels)
@@ -152,7 +155,7 @@ def labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtraA
       hint = (" Buckets labelled None come from a layout planned without a group_fn: a "
               "Packed carries its own layout, so plan it with the labels (e.g. "
               "jpack.plan(params, group_fn=lambda path, leaf: label_of[path])), or pass "
-              "the params as a tree with labels=.")
+              "the params as a tree to an optimizer made with jpack.optax.partition.")
     raise ValueError(f"labels {missing} have no transformation; inner has "
                      f"{sorted(inner)}.{hint}")
   # A layout keeps labels as str (it is hashed and compared across processes); the state
@@ -170,8 +173,9 @@ def labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtraA
 def check_inner(inner: Inner, labels: Labels) -> None:
   if isinstance(inner, Mapping):
     if labels is None:
-      raise TypeError("inner is a dict of transformations, so labels= is required to say "
-                      "which leaves each one updates.")
+      raise TypeError("inner is a dict of transformations, which needs the labels of the "
+                      "leaves each one updates: pass jpack.optax.partition(transforms, "
+                      "param_labels).")
     for k, v in inner.items():
       if not isinstance(v, optax.GradientTransformation):
         raise TypeError(f"inner[{k!r}] is a {type(v).__name__}, expected an "
@@ -180,7 +184,7 @@ def check_inner(inner: Inner, labels: Labels) -> None:
     hint = (" (for optax.MultiSteps, pass its .gradient_transformation())"
             if hasattr(inner, "gradient_transformation") else "")
     raise TypeError(f"inner must be an optax.GradientTransformation (or a dict of them with "
-                    f"labels=), got {type(inner).__name__}{hint}.")
+                    f"jpack.optax.partition), got {type(inner).__name__}{hint}.")
 
 
 # -- parts that need the leaves ----------------------------------------------------------
@@ -340,7 +344,7 @@ def updates_dtype(given: Any, returned: Mapping[int, Any], layout: Layout) -> np
     raise TypeError(
         f"The optimizer returned {sorted(map(str, set(got.values())))} updates for {given} "
         f"leaves ({shown}); jpack never casts silently. Keep such leaves out of the "
-        "optimizer: labels= with optax.set_to_zero() for them, or out of the params.")
+        "optimizer: jpack.optax.partition with optax.set_to_zero() for them, or out of the params.")
   return np.dtype(jnp.result_type(*got.values(), given))
 
 

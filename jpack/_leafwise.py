@@ -60,6 +60,10 @@ def on_buckets(tx: Any, layout: Layout, axis_name: Any,
     A transformation taking and returning tuples of buckets (or slices), whose state is
     ``tx``'s (`optax.MaskedState` over the inner state on buckets), or None.
   """
+  code = getattr(getattr(_unwrapped(tx), "update", None), "__code__", None)
+  if code is _CLIP_CODE and all(jnp.issubdtype(b.dtype, jnp.inexact) for b in layout.buckets):
+    found = _closure(_unwrapped(tx).update, ("max_norm",))
+    return None if found is None else clip_by_global_norm(found[0], axis_name)
   if not all(jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets):
     return None
   if any(len(b.slots) > 1 and b.size // _align(layout, b) > _MAX_BLOCKS
@@ -70,9 +74,6 @@ def on_buckets(tx: Any, layout: Layout, axis_name: Any,
   if code is _TRUST_RATIO_CODE:
     found = _closure(tx.update, ("min_norm", "trust_coefficient", "eps"))
     return None if found is None else trust_ratio(layout, axis_name, *found)
-  if code is _CLIP_CODE:
-    found = _closure(tx.update, ("max_norm",))
-    return None if found is None else clip_by_global_norm(found[0], axis_name)
   if code is _MASKED_CODE:
     found = _closure(tx.update, ("inner", "mask"))
     if found is None:
@@ -124,7 +125,7 @@ def clip_by_global_norm(max_norm: Any, axis_name: Any
 
   def update(buckets, state, params=None, **extra_args):
     del params, extra_args
-    squares = sum(jnp.sum(jnp.square(b.astype(jnp.float32))) for b in buckets)
+    squares = sum(jnp.sum(_abs2(b)) for b in buckets)
     if axis_name is not None:
       squares = lax.psum(squares, axis_name)
     norm = jnp.sqrt(squares)
@@ -133,6 +134,13 @@ def clip_by_global_norm(max_norm: Any, axis_name: Any
                  for b in buckets), state
 
   return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
+def _abs2(x: jax.Array) -> jax.Array:
+  """``|x|^2`` in at least float32 (both parts of a complex value count)."""
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return jnp.square(x.real.astype(jnp.float32)) + jnp.square(x.imag.astype(jnp.float32))
+  return jnp.square(x.astype(jnp.float32))
 
 
 def static_mask(mask: Any, layout: Layout) -> tuple[bool, ...] | None:

@@ -179,17 +179,17 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
   """
   if on not in _ON:
     raise ValueError(f"on must be one of {_ON}, got {on!r}.")
-  clip = (", jpack.optax.clip_by_global_norm(max_norm, axis_name) to clip by the global "
-          "norm" if on == "slices" else "")
-  default = f"Use labels= with a dict of transformations for masks{clip}, or {instead}."
+  default = (f"Use jpack.optax.partition(transforms, labels) for masks (optax.clip_by_global_norm runs in "
+             f"every mode), or {instead}.")
   if on.startswith("owned"):
     default = ("ZeRO-1 (jpack.optax.sharded, data_parallel(mode='sharded')) runs a "
                "transformation that needs whole leaves on each device's own leaves, but this "
                "one needs more than a device's own leaves. Use mode='packed' or "
                "jpack.optax.flat, which run it on all the leaves and give optax's result; "
-               "clip by the global norm with jpack.optax.clip_by_global_norm(max_norm, "
-               "axis_name) first in the chain; give a mask as a function of the params "
-               "(mask=lambda params: ...), which the probe can run on a miniature.")
+               "clip by the global norm with optax.clip_by_global_norm(max_norm) first in "
+               "the chain (not inside inject_hyperparams, where jpack cannot see it); give "
+               "a mask as a function of the params (mask=lambda params: ...), which the "
+               "probe can run on a miniature.")
 
   def check(layout: Layout, name: str | None = None) -> str | None:
     spec = _miniature(layout)
@@ -644,8 +644,8 @@ def _owned_collective(error: NameError) -> _Refusal:
       "result, but on ZeRO-1 a transformation that needs whole leaves runs on each "
       "device's own leaves, without collectives."),
       "Reduce nothing inside jpack.optax.sharded, which reduce-scatters the gradient "
-      "itself; clip by the global norm with jpack.optax.clip_by_global_norm(max_norm, "
-      "axis_name), which runs on slices.", error)
+      "itself; clip by the global norm with optax.clip_by_global_norm(max_norm) in the "
+      "chain, which jpack computes on the slices.", error)
 
 
 def _reference(tx: Any, mini: _Mini, on: str, axis_name: Any) -> tuple[Any, Any]:

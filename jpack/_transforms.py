@@ -439,7 +439,7 @@ def unpack_as_returned(packed: Packed) -> Any:
       raise TypeError(
           f"The inner optimizer returned {got} updates for bucket {i}, which holds "
           f"{bucket.dtype} leaves ({shown}); jpack never casts silently. Keep such leaves "
-          "out of the optimizer: labels= with optax.set_to_zero() for them (integer "
+          "out of the optimizer: jpack.optax.partition with optax.set_to_zero() for them (integer "
           "counters, frozen tables), or out of the params.")
   if changed:
     layout = retyped(layout, dtypes)

@@ -243,3 +243,10 @@ def test_reading_a_donated_state_says_step_donated_it(mode):
   params, model_state = dp.unpack(third)  # what init took
   jax.tree.map(np.asarray, params)
   assert int(model_state["bn"]["counter"]) == 2
+
+
+def test_partition_takes_a_dict_of_transformations():
+  with pytest.raises(TypeError, match="takes a dict"):
+    jpack.optax.partition(optax.adam(1e-3), {"x": "a"})
+  with pytest.raises(TypeError, match=r"inner\['a'\]"):
+    jpack.optax.partition({"a": "adam"}, {"x": "a"})

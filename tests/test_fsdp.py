@@ -130,8 +130,9 @@ def test_fsdp_with_batchnorm_state():
   state = dp.init(params, running)
   for _ in range(3):
     state, _ = dp.step(state, batch)
-  _close(dp.unpack(state), p, rtol=2e-5)
-  _close(jax.device_get(state.model_state), s, rtol=2e-5)
+  got_params, got_stats = dp.unpack(state)
+  _close(got_params, p, rtol=2e-5)
+  _close(got_stats, s, rtol=2e-5)
 
 
 def test_fsdp_bf16_params_gather_bf16_and_reduce_f32():

@@ -606,3 +606,17 @@ def test_partition_in_sharded_mode_equals_optax_and_keeps_frozen_leaves():
   assert not np.allclose(got["hidden"]["b"], mlp_params()["hidden"]["b"])  # trained
   # Each label has buckets of its own.
   assert {b.group[1] for b in dp.layout.buckets} == {"decay", "plain", "frozen"}
+
+
+def test_clip_by_global_norm_on_slices_counts_both_parts_of_complex_leaves():
+  """optax.clip_by_global_norm inside sharded: a complex leaf's norm is |z|, both parts."""
+  t = {"z": jnp.array([3j, 4j], jnp.complex64), "x": jnp.array([1.0, -2.0])}
+  mesh = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  tx = jpack.optax.sharded(optax.clip_by_global_norm(1.0), "batch")
+  f = jax.jit(jax.shard_map(lambda t: tx.update(t, tx.init(t), t)[0], mesh=mesh,
+                            in_specs=P(), out_specs=P(), check_vma=False))
+  got = f(t)
+  want = optax.clip_by_global_norm(1.0).update(t, None)[0]
+  for k in t:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)

@@ -28,6 +28,8 @@ table) and 8-way data parallelism:
                 ``jpack.pmean`` and its compiler options to the step's ``jax.jit``
   jit           plain ``jax.jit`` with the batch split by ``NamedSharding``
   jit_zero1     the same with adamw's state split over the devices by its shardings
+  jit_fsdp      the params split that way too (FSDP by sharding); jit_fsdp_maxtext with
+                the GPU flags of MaxText's FSDP recipes
   allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
   packed_bf16_params, sharded_bf16_params    ``precision=jpack.Precision(param_dtype=
                 jnp.bfloat16)`` (f32 masters)
@@ -37,6 +39,8 @@ table) and 8-way data parallelism:
   sharded_adafactor    ZeRO-1 with ``optax.adafactor``: its factored moments need whole
                 leaves, so each device owns some, every shard padded to the fullest
                 (args show it)
+  fsdp, fsdp_keep, fsdp_bf16_params    ``mode="fsdp"`` (ZeRO-3), with
+                ``keep_gathered=True``, and with bf16 params and f32 masters
 
 "removed" is the share of per-leaf's kernels (and HBM bytes) above the floor that a
 variant does not have: 100 % is the floor itself, 0 % is per-leaf, below 0 is worse.
@@ -102,6 +106,11 @@ VARIANTS = {
     "sharded_acc4": "jpack sharded, accumulate=4",
     "sharded_lamb": "jpack sharded, lamb (trust ratio leaf by leaf)",
     "sharded_adafactor": "jpack sharded, adafactor (owned leaves)",
+    "jit_fsdp": "jit, FSDP by sharding (params and state split)",
+    "jit_fsdp_maxtext": "jit FSDP, MaxText's GPU flags",
+    "fsdp": "jpack fsdp (ZeRO-3)",
+    "fsdp_keep": "jpack fsdp, keep_gathered",
+    "fsdp_bf16_params": "jpack fsdp, bf16 params",
 }
 JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
          "sharded": dict(mode="sharded"),
@@ -111,19 +120,35 @@ JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
                                      precision=jpack.Precision(param_dtype=jnp.bfloat16)),
          "packed_acc4": dict(mode="packed", accumulate=4),
          "sharded_acc4": dict(mode="sharded", accumulate=4),
-         "sharded_lamb": dict(mode="sharded"), "sharded_adafactor": dict(mode="sharded")}
+         "sharded_lamb": dict(mode="sharded"), "sharded_adafactor": dict(mode="sharded"),
+         "fsdp": dict(mode="fsdp"),
+         "fsdp_keep": dict(mode=jpack.Mode("fsdp", keep_gathered=True)),
+         "fsdp_bf16_params": dict(mode="fsdp",
+                                  precision=jpack.Precision(param_dtype=jnp.bfloat16))}
 # Every variant runs adamw but these.
 OPTIMIZERS = {"sharded_lamb": lambda: optax.lamb(LEARNING_RATE),
               "sharded_adafactor": lambda: optax.adafactor(LEARNING_RATE)}
 # Shares of per-leaf's overhead compare steps of the same params, rows and optimizer
 # only: not accumulation (four passes), bf16 params (half the bytes), lamb or adafactor.
 UNCOMPARED = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16_params",
-              "sharded_lamb", "sharded_adafactor")
+              "sharded_lamb", "sharded_adafactor", "fsdp_bf16_params")
+# The GPU flags of MaxText's FSDP recipes (latency-hiding scheduler, pipelined all-gather
+# and reduce-scatter, their combine thresholds), for the strongest jit FSDP baseline.
+MAXTEXT_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True,
+                 "xla_gpu_enable_pipelined_all_gather": True,
+                 "xla_gpu_enable_pipelined_reduce_scatter": True,
+                 "xla_gpu_enable_pipelined_all_reduce": True,
+                 "xla_gpu_all_gather_combine_threshold_bytes": 1073741824,
+                 "xla_gpu_reduce_scatter_combine_threshold_bytes": 1073741824,
+                 "xla_gpu_all_reduce_combine_threshold_bytes": 1073741824}
+# Rows per device where a workload's own differ from ROWS_PER_DEVICE.
+ROWS = {"gpt_1p3b": 1, "gpt_1p3b_12": 1}
 # The baselines compiled with options of their own, per mesh (the jpack steps carry
 # theirs).
 COMPILER_OPTIONS = {
     "per_leaf_no_concat": lambda mesh: {"xla_disable_hlo_passes": "all-reduce-contiguous"},
-    "hand_pmean_options": lambda mesh: jpack.step_options(mesh)[1]}
+    "hand_pmean_options": lambda mesh: jpack.step_options(mesh)[1],
+    "jit_fsdp_maxtext": lambda mesh: MAXTEXT_FLAGS}
 # Collectives this small are the loss's and the norm's scalars, not a bucket's.
 BUCKET_MIN_BYTES = 1024
 # The goals jpack's default and ZeRO-1 modes are held to on every workload.
@@ -174,12 +199,13 @@ def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
     options = jpack.step_options(mesh)[0] if key == "hand_pmean_options" else {}
     s = step_bench._plain_step(
         model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS, **options)), tx)
-  elif key in ("jit", "jit_zero1"):
+  elif key in ("jit", "jit_zero1", "jit_fsdp", "jit_fsdp_maxtext"):
     # Auto axes: XLA chooses the shardings inside the step, as a plain jit user gets
     # (under Explicit axes an embedding lookup would need its out_sharding spelled out).
     auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                              axis_types=(jax.sharding.AxisType.Auto,))
-    s = step_bench._jit_step(model, auto, zero1=key == "jit_zero1", optimizer=tx)
+    s = step_bench._jit_step(model, auto, zero1=key != "jit", optimizer=tx,
+                             fsdp=key.startswith("jit_fsdp"))
   else:
     raise ValueError(f"unknown variant {key!r}")
   return s.init, s.step
@@ -282,7 +308,7 @@ def run_workload(name: str, variants: list[str], report: c.Report,
       continue  # its weights are bf16 already
     print(f"  {name}: compiling {key} ...", flush=True)
     try:
-      results[key] = compile_variant(key, model, mesh)
+      results[key] = compile_variant(key, model, mesh, ROWS.get(name, ROWS_PER_DEVICE))
     except Exception as e:  # noqa: BLE001 (one variant's failure must not lose the rest)
       print(f"  {name}: {key} failed: {type(e).__name__}: {e}", flush=True)
       report.text(f"{name}: {key} failed to compile: {type(e).__name__}: {e}")
@@ -369,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks gpu_compile",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--workloads", default=",".join(models.FULL_SIZE),
-                      help="comma-separated, from: " + ", ".join(models.FULL_SIZE))
+                      help="comma-separated, from: " + ", ".join(models.FULL_SIZE + models.LARGE))
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="comma-separated, from: " + ", ".join(VARIANTS))
   parser.add_argument("--model", metavar="MODULE:FUNCTION",
@@ -386,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
   for v in variants:
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
-  c.check_workload_names(workloads, "--workloads")
+  c.check_workload_names(workloads, "--workloads", models.LARGE)
   report = c.Report("Data-parallel steps compiled for 8 H100s (not run)", "gpu_compile",
                     sys.argv[1:] if argv is None else argv)
   report.parts.append(c.banner("gpu_compile", [f"target: {TARGET.name}, 8 devices, "
@@ -407,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
 def merged(earlier: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
   """``now``'s JSON with ``earlier``'s results kept where ``now`` has none (`c.merged`),
   variants in the order of `VARIANTS`, workloads in that of `models.FULL_SIZE`."""
-  return c.merged(earlier, now, "workload", list(VARIANTS), list(models.FULL_SIZE))
+  return c.merged(earlier, now, "workload", list(VARIANTS),
+                  list(models.FULL_SIZE) + list(models.LARGE))
 
 
 if __name__ == "__main__":

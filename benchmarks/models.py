@@ -468,6 +468,9 @@ def full_size(name: str, *, abstract: bool = True) -> Model:
     return resnet(image=224, abstract=abstract)
   if name == "mixed_llama_tiny":
     return llama(abstract=abstract)
+  if name in ("gpt_1p3b", "gpt_1p3b_12"):  # the ZeRO-3 workload, and its half depth
+    return gpt2(layers=24 if name == "gpt_1p3b" else 12, width=2048, vocab=50257,
+                positions=1024, heads=16, seq=1024, abstract=abstract, name=name)
   if name == "many_small_4000":
     from benchmarks import _common as c
     doc = c.load_workload_doc(name)
@@ -476,3 +479,5 @@ def full_size(name: str, *, abstract: bool = True) -> Model:
 
 
 FULL_SIZE = ("gpt2_small", "bert_base", "resnet50", "mixed_llama_tiny", "many_small_4000")
+# Models without a shape table in benchmarks/workloads, compiled for GPUs by name.
+LARGE = ("gpt_1p3b", "gpt_1p3b_12")

@@ -477,12 +477,14 @@ def _zero1_sharding(x: jax.ShapeDtypeStruct, mesh) -> NamedSharding:
 
 
 def _jit_step(model: Model, mesh, zero1: bool = False,
-              optimizer: optax.GradientTransformation | None = None) -> Step:
+              optimizer: optax.GradientTransformation | None = None,
+              fsdp: bool = False) -> Step:
   """Data parallelism as plain ``jax.jit`` gives it, without shard_map: a step over
   global arrays, params replicated and the batch split by their shardings, so XLA
   partitions it and inserts the gradient all-reduces itself. With ``zero1`` the
   optimizer state is split too (`_zero1_sharding`): XLA updates each device's slice and
-  all-gathers the new params, which stay replicated.
+  all-gathers the new params, which stay replicated. With ``fsdp`` the params are split
+  the same way (FSDP as MaxText's axis rules give it): XLA gathers them for the loss.
 
   The shardings are given as ``in_shardings`` / ``out_shardings``, which the
   benchmark's Explicit-axes mesh and an Auto-axes one both take. The two compile the
@@ -494,7 +496,7 @@ def _jit_step(model: Model, mesh, zero1: bool = False,
   params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                              model.params)
   split = (lambda x: _zero1_sharding(x, mesh)) if zero1 else (lambda _: replicated)
-  shardings = State(jax.tree.map(lambda _: replicated, params_like),
+  shardings = State(jax.tree.map(split if fsdp else (lambda _: replicated), params_like),
                     jax.tree.map(split, jax.eval_shape(tx.init, params_like)))
 
   def global_step(state, batch):
@@ -508,8 +510,8 @@ def _jit_step(model: Model, mesh, zero1: bool = False,
   init = jax.jit(lambda p: State(p, tx.init(p)), out_shardings=shardings)
   step = jax.jit(global_step, in_shardings=(shardings, NamedSharding(mesh, P(AXIS))),
                  out_shardings=(shardings, replicated), donate_argnums=0)
-  return Step(lambda params: init(jax.device_put(params, replicated)), step,
-              lambda state: state.params)
+  return Step(lambda params: init(jax.device_put(params, replicated)) if not fsdp else
+              init(params), step, lambda state: state.params)
 
 
 def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Step:

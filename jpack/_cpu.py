@@ -458,8 +458,13 @@ GPU_ALIGN_BYTES = 16
 GPU_SOLO_NDIM = 2
 
 
-def step_defaults(devices: Any, sharded: bool, n: int) -> tuple[dict[str, Any],
-                                                                  dict[str, Any]]:
+# ZeRO-3 gathers each bucket where the loss reads it; merged, the gathers would bring in
+# many buckets at once, ahead of their layers.
+GPU_FSDP_COMPILER_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0}
+
+
+def step_defaults(devices: Any, sharded: bool, n: int, fsdp: bool = False
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
   """``(plan options, compiler options)`` of `jpack.data_parallel`'s step on ``devices``.
 
   On CPU devices (and TPUs): buckets padded to a multiple of ``n`` (CPU reduces them by
@@ -471,7 +476,7 @@ def step_defaults(devices: Any, sharded: bool, n: int) -> tuple[dict[str, Any],
   """
   if any(d.platform != "gpu" for d in devices):
     return {"num_shards": n}, {}
-  options = dict(GPU_STEP_COMPILER_OPTIONS)
+  options = {**GPU_STEP_COMPILER_OPTIONS, **(GPU_FSDP_COMPILER_OPTIONS if fsdp else {})}
   # The step's option replaces XLA_FLAGS' list of disabled passes: keep the user's.
   user = re.findall(r"--xla_disable_hlo_passes=(\S+)", os.environ.get("XLA_FLAGS", ""))
   if user:

@@ -137,7 +137,8 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   _check_not_flax_variables(params_like)
   sharded_mode = mode.name in ("sharded", "fsdp")  # the optimizer runs on slices
   plan_options, compiler_options = cpu.step_defaults(mesh.devices.flat, sharded_mode,
-                                                     mesh.shape[axis_name])
+                                                     mesh.shape[axis_name],
+                                                     fsdp=mode.name == "fsdp")
   narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
   layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
   _check_trainable(layout)
@@ -213,8 +214,9 @@ def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
                    compiler_options=compiler_options)
   """
   mesh, axis_name = _check_mesh(mesh)
-  return cpu.step_defaults(mesh.devices.flat, _check_mode(mode).name in ("sharded", "fsdp"),
-                           mesh.shape[axis_name])
+  name = _check_mode(mode).name
+  return cpu.step_defaults(mesh.devices.flat, name in ("sharded", "fsdp"),
+                           mesh.shape[axis_name], fsdp=name == "fsdp")
 
 
 def _check_mode(mode: str | Mode) -> Mode:

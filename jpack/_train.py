@@ -384,7 +384,7 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
     _check_not_donated(state, _READ_FIX)
     local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     if params_as == "shards":  # this process's copy of the whole buckets, gathered
-      whole = tuple(jax.device_put(b, local) for b in state.params.buckets)
+      whole = tuple(_whole_on(b, local) for b in state.params.buckets)
       params = unpack(Packed(whole, state.params.layout))
     else:
       tree = unpack(state.params) if params_as == "packed" else state.params
@@ -394,6 +394,15 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
     return params, jax.tree.map(lambda x: _on_one_device(x, local), state.model_state)
 
   return DataParallel(init, step, unpack_state, layout)
+
+
+def _whole_on(x: jax.Array, device: Any) -> jax.Array:
+  """A bucket split over the devices, whole on ``device`` (gathered from every process's
+  devices when this one holds only some of it)."""
+  if not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # collective: every process calls it
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return jax.device_put(x, device)
 
 
 def _on_one_device(x: Any, device: Any) -> Any:

@@ -64,10 +64,12 @@ def test_two_processes_match_single_process_reference(tmp_path):
     u, state = tx.update(g, state, params)
     params = optax.apply_updates(params, u)
   for r in results:
-    got = jax.tree.map(np.asarray, r["params"])
-    for k in params:
-      for kk in params[k]:
-        np.testing.assert_allclose(got[k][kk], np.asarray(params[k][kk]), rtol=2e-4, atol=2e-5)
+    for mode in ("params", "params_fsdp"):  # ZeRO-1, then ZeRO-3
+      got = jax.tree.map(np.asarray, r[mode])
+      for k in params:
+        for kk in params[k]:
+          np.testing.assert_allclose(got[k][kk], np.asarray(params[k][kk]), rtol=2e-4,
+                                     atol=2e-5, err_msg=f"{mode} {k} {kk}")
 
 
 @pytest.mark.timeout(300)

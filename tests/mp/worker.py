@@ -63,5 +63,13 @@ for i in range(4):
 params_out = jax.jit(jpack.unpack, out_shardings=NamedSharding(mesh, P()))(state.params)
 result["params"] = jax.tree.map(lambda v: np.asarray(v.addressable_shards[0].data).tolist(), params_out)
 result["loss"] = float(np.asarray(metrics["loss"].addressable_shards[0].data))
+
+# The same steps in ZeRO-3: the params split over the processes' devices too.
+dp = jpack.data_parallel(loss_fn, optax.adam(1e-2), params, mesh, mode="fsdp")
+state = dp.init(params)
+for i in range(4):
+  rows = slice(proc * len(x[i]) // nproc, (proc + 1) * len(x[i]) // nproc)
+  state, metrics = dp.step(state, (x[i][rows], y[i][rows]))
+result["params_fsdp"] = jax.tree.map(lambda v: np.asarray(v).tolist(), dp.unpack(state))
 json.dump(result, open(out, "w"))
 jax.distributed.shutdown()

@@ -312,15 +312,17 @@ def render_headline(results: Results) -> str:
                 for key, name in (("jit", "jit"), ("per_leaf", "per-leaf")))])
   mib = lambda r: r["values"]["args_bytes"] / 2**20 if "args_bytes" in r["values"] else float(
       r["cells"]["args MiB"].replace(",", ""))
-  gpt2 = by_workload.get("gpt2_small", {})
-  if "sharded" in gpt2:
-    out.append(["GPU params + optimizer state per device, GPT-2 small, ZeRO-1",
-                f"{mib(gpt2['sharded']):,.0f} MiB (jit ZeRO-1: {mib(gpt2['jit_zero1']):,.0f})",
-                f"{mib(gpt2['sharded']):,.0f} MiB (per-leaf: {mib(gpt2['per_leaf']):,.0f})"])
+  large = by_workload.get("gpt_1p3b", {})
+  if "fsdp" in large and "jit_fsdp" in large:
+    peak = lambda r: mib(r) + r["values"]["temp_bytes"] / 2**20
+    out.append(["GPU peak per device, 1.3 B GPT-like, `mode=\"fsdp\"` (ZeRO-3)",
+                f"{peak(large['fsdp']):,.0f} MiB (jit FSDP: {peak(large['jit_fsdp']):,.0f})",
+                f"- (ZeRO-1: {peak(large['sharded']):,.0f})" if "sharded" in large else "-"])
   note = (f"CPU: {_model_title(step, 'gpt2_12x64')}; the baseline's step time over "
           "jpack's, in the same run, with the lowest and highest over interleaved rounds. "
           f"GPU: {', '.join(HEADLINE_GPU)} compiled for 8 H100s (not run), the range "
-          "over the four. Machines, commands and every table: "
+          "over the four; peak: arguments + temp of the compiled step. Machines, "
+          "commands and every table: "
           "[docs/performance.md](docs/performance.md), [docs/gpu.md](docs/gpu.md).")
   return "\n\n".join([markdown_table(["jpack against", "`jax.jit` + `NamedSharding`",
                                        "per-leaf `shard_map` step"], out), note])

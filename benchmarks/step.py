@@ -168,12 +168,14 @@ VARIANTS = {
     "flatten": "optax.flatten",
     "jit": "jit + NamedSharding",
     "jit_zero1": "jit, ZeRO-1 by sharding",
+    "jit_fsdp": "jit, FSDP by sharding",
     "allreduce": "jpack allreduce",
     "optax_chain": "optax.chain(jpack.optax.allreduce, adam)",
     "hand_pmean": "hand-written jpack.pmean step",
     "packed": "jpack packed",
     "packed_bf16": "jpack packed bf16",
     "sharded": "jpack sharded",
+    "fsdp": "jpack fsdp (ZeRO-3)",
     "hand_zero1": "hand-written ZeRO-1",
     "packed_bf16_params": "jpack packed, bf16 params",
     "sharded_bf16": "jpack sharded, bf16 params",
@@ -246,6 +248,7 @@ DATA_PARALLEL = {
     "packed": JpackVariant("packed"),
     "packed_bf16": JpackVariant("packed", comm_dtype=jnp.bfloat16),
     "sharded": JpackVariant("sharded"),
+    "fsdp": JpackVariant("fsdp"),
     "packed_bf16_params": JpackVariant("packed", param_dtype=jnp.bfloat16),
     "sharded_bf16": JpackVariant("sharded", param_dtype=jnp.bfloat16),
     "packed_acc4": JpackVariant("packed", accumulate=ACCUMULATE),
@@ -679,6 +682,7 @@ def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
       "flatten": lambda: _plain_step(model, mesh, per_leaf, optax.flatten(adam)),
       "jit": lambda: _jit_step(model, _auto(mesh)),
       "jit_zero1": lambda: _jit_step(model, _auto(mesh), zero1=True),
+      "jit_fsdp": lambda: _jit_step(model, _auto(mesh), zero1=True, fsdp=True),
       "optax_chain": lambda: _plain_step(
           model, mesh, jpack.optax.allreduce(AXIS, grad_norm=True, **plan_options), adam,
           record_norm=False),
@@ -791,7 +795,7 @@ class _Saves:
 def _prepare(model: Model, key: str, mesh, batch, plan_options: dict,
              directory: Any = None) -> _Prepared:
   step = build(key, model, mesh, plan_options)
-  if key in ("jit", "jit_zero1"):  # on their mesh with Auto axes (`_auto`)
+  if key in ("jit", "jit_zero1", "jit_fsdp"):  # on their mesh with Auto axes (`_auto`)
     batch = jax.device_put(batch, NamedSharding(_auto(mesh), P(AXIS)))
   batches = _micro_batches(batch, getattr(step, "calls", 1), mesh.shape[AXIS])
   state = jax.block_until_ready(step.init(model.params, model.state) if model.has_state

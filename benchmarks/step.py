@@ -284,7 +284,7 @@ NOT_COMPARABLE = ("per_leaf", "grad_only", "packed_grad_only", "sharded_sgd",
 # Variants that carry a model's state (`Model.has_state`: the ResNet's BatchNorm
 # running statistics); the others are skipped on such a model.
 WITH_STATE = ("per_leaf", "hand_pmean", "optax_chain", "ravel", "flatten", "allreduce",
-              "packed", "sharded", "grad_only", "packed_grad_only")
+              "packed", "sharded", "fsdp", "grad_only", "packed_grad_only")
 # Variants whose params are bf16: their difference from per-leaf is the rounding's.
 BF16_PARAMS = tuple(k for k, v in DATA_PARALLEL.items() if v.param_dtype is not None)
 # Variants that accumulate micro-batches, compared with per-leaf + MultiSteps.

@@ -140,9 +140,8 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
     full = _gather(shard, carriers[b], axis_name)
     if not keep_gathered:
       full = checkpoint_name(full, _GATHERED)
-    for i in layout.buckets[b].slots:
-      s = layout.slots[i]
-      leaf = lax.slice_in_dim(full, s.offset, s.offset + s.size).reshape(s.shape)
+    for i, piece in _split(full, layout, b):
+      leaf = piece.reshape(layout.slots[i].shape)
       env[leaf_vars[i]] = leaf if keep_gathered else checkpoint_name(leaf, _GATHERED)
 
   if order:
@@ -164,6 +163,27 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
       gather(bucket_of[v])
   outs = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _split(full: jax.Array, layout: Any, b: int) -> list[tuple[int, jax.Array]]:
+  """``(slot index, 1-D piece)`` of each leaf of bucket ``b``, by one split at the leaves'
+  offsets: its transpose is one concatenate (a slice per leaf would transpose to a pad of
+  the whole bucket per leaf)."""
+  slots = sorted(layout.buckets[b].slots, key=lambda i: layout.slots[i].offset)
+  sizes, owners, at = [], [], 0
+  for i in slots:
+    s = layout.slots[i]
+    if s.offset > at:  # padding before this leaf
+      sizes.append(s.offset - at)
+      owners.append(None)
+    sizes.append(s.size)
+    owners.append(i)
+    at = s.offset + s.size
+  if full.shape[0] > at:
+    sizes.append(full.shape[0] - at)
+    owners.append(None)
+  pieces = lax.split(full, sizes) if len(sizes) > 1 else [full]
+  return [(i, p) for i, p in zip(owners, pieces) if i is not None]
 
 
 # Outputs of these are recomputed in the backward pass rather than saved: they are cheap,

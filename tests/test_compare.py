@@ -26,7 +26,8 @@ def test_compare_quick_against_head(tmp_path):
   main, chain = json.loads(path.read_text())["tables"]
   variants = {r["values"]["variant"] for r in main["rows"]}
   assert variants == {"data_parallel(allreduce)", "data_parallel(packed)",
-                      "data_parallel(sharded)", "optax.chain(allreduce, adam)",
+                      "data_parallel(sharded)", "data_parallel(fsdp)",
+                      "optax.chain(allreduce, adam)",
                       "pmean (tree in, tree out)"}
   ratios = [r["values"]["paired_ratio"] for r in main["rows"]]
   ratios += [r["values"][k] for r in chain["rows"] for k in ("base_ratio", "new_ratio")]

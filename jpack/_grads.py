@@ -9,11 +9,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jpack._collectives import Shards, axis_size, broadcast, is_varying, reduce_scatter, vary
-from jpack._fsdp import carriers_for, gradient_carrier
+from jpack._fsdp import carriers_for, gradient_carrier, wide_dtype
 from jpack._layout import Layout, retyped
 from jpack._pack import Packed, unpack
 from jpack._precision import as_layout
@@ -122,11 +121,10 @@ def _call(loss_fn: Callable[..., Any], args: tuple, has_aux: bool, has_state: bo
     raise
 
 
-def check_loss_fn(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -> None:
+def check_loss_fn(loss_fn: Callable[..., Any], has_state: bool) -> None:
   """A ``loss_fn`` whose signature cannot take the arguments it will be given, refused
   with what to change. Signatures that ``inspect`` cannot read, or that take ``*args``,
   pass here (their calls are checked when the step traces)."""
-  del has_aux
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
   try:
@@ -205,11 +203,11 @@ def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: st
     return grads_of
 
   # Accumulated in at least float32: a sum of bfloat16 gradients would lose their bits.
-  wide = retyped(masters, [_accumulation_dtype(b.dtype) for b in masters.buckets])
+  wide = retyped(masters, [wide_dtype(b.dtype) for b in masters.buckets])
 
   def widen(grads):
     if not packed_params:
-      return jax.tree.map(lambda g: g.astype(_accumulation_dtype(g.dtype)), grads)
+      return jax.tree.map(lambda g: g.astype(wide_dtype(g.dtype)), grads)
     grads = as_layout(grads, wide)
     if accumulator == "sharded" and params_as != "shards":  # ZeRO-2: only this slice kept
       grads = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
@@ -217,7 +215,7 @@ def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: st
 
   def zeros(params):
     if not packed_params:
-      return jax.tree.map(lambda p: jnp.zeros(p.shape, _accumulation_dtype(p.dtype)), params)
+      return jax.tree.map(lambda p: jnp.zeros(p.shape, wide_dtype(p.dtype)), params)
     if accumulator == "sharded":
       n = axis_size(axis_name)
       return Shards(tuple(jnp.zeros(b.size // n, b.dtype) for b in wide.buckets), wide)
@@ -266,13 +264,6 @@ def average_state(model_state: Any, axis_name: str) -> Any:
       return lax.pmean(x, axis_name)
     return broadcast(x, axis_name, root=0)
   return jax.tree.map(one, model_state)
-
-
-def _accumulation_dtype(dtype: Any) -> np.dtype:
-  d = np.dtype(dtype)
-  if jnp.issubdtype(d, jnp.floating) and d.itemsize < 4:
-    return np.dtype(np.float32)
-  return d
 
 
 def check_accumulate(accumulate: Any) -> None:

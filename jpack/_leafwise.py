@@ -60,17 +60,16 @@ def on_buckets(tx: Any, layout: Layout, axis_name: Any,
     A transformation taking and returning tuples of buckets (or slices), whose state is
     ``tx``'s (`optax.MaskedState` over the inner state on buckets), or None.
   """
-  code = getattr(getattr(_unwrapped(tx), "update", None), "__code__", None)
+  tx = _unwrapped(tx)
+  code = getattr(getattr(tx, "update", None), "__code__", None)
   if code is _CLIP_CODE and all(jnp.issubdtype(b.dtype, jnp.inexact) for b in layout.buckets):
-    found = _closure(_unwrapped(tx).update, ("max_norm",))
+    found = _closure(tx.update, ("max_norm",))
     return None if found is None else clip_by_global_norm(found[0], axis_name)
   if not all(jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets):
     return None
   if any(len(b.slots) > 1 and b.size // _align(layout, b) > _MAX_BLOCKS
          for b in layout.buckets):
     return None  # its tables would be large constants: left to the leaves
-  tx = _unwrapped(tx)
-  code = getattr(getattr(tx, "update", None), "__code__", None)
   if code is _TRUST_RATIO_CODE:
     found = _closure(tx.update, ("min_norm", "trust_coefficient", "eps"))
     return None if found is None else trust_ratio(layout, axis_name, *found)

@@ -28,6 +28,7 @@ from jpack._sharded import ShardedState, sharded, sharded_layout
 from jpack._transforms import after, allreduce, firsts, flat
 
 MODES = ("allreduce", "packed", "sharded", "fsdp")
+SLICED = ("sharded", "fsdp")  # the modes whose optimizer runs on each device's slices
 _READ_FIX = ("Read the state step() returned, or copy what you need before the step: "
              "jax.device_get(dp.unpack(state)).")
 
@@ -135,10 +136,8 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   mesh, axis_name = _check_mesh(mesh)
   check_inner(inner, labels)
   _check_not_flax_variables(params_like)
-  sharded_mode = mode.name in ("sharded", "fsdp")  # the optimizer runs on slices
-  plan_options, compiler_options = cpu.step_defaults(mesh.devices.flat, sharded_mode,
-                                                     mesh.shape[axis_name],
-                                                     fsdp=mode.name == "fsdp")
+  sharded_mode = mode.name in SLICED
+  plan_options, compiler_options = _defaults(mesh, axis_name, mode)
   narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
   layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
   _check_trainable(layout)
@@ -187,7 +186,7 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   host_packed = packed_params and param_dtype is None
   dp = _build(local_init, local_step, params_as, params_like, init_layout, axis_name,
               mesh, mode.name, accumulate, compiler_options, host_packed,
-              functools.partial(check_loss_fn, loss_fn, has_aux))
+              functools.partial(check_loss_fn, loss_fn))
   return dp._replace(layout=layout)
 
 
@@ -214,9 +213,13 @@ def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
                    compiler_options=compiler_options)
   """
   mesh, axis_name = _check_mesh(mesh)
-  name = _check_mode(mode).name
-  return cpu.step_defaults(mesh.devices.flat, name in ("sharded", "fsdp"),
-                           mesh.shape[axis_name], fsdp=name == "fsdp")
+  return _defaults(mesh, axis_name, _check_mode(mode))
+
+
+def _defaults(mesh: Mesh, axis_name: str, mode: Mode) -> tuple[dict[str, Any],
+                                                               dict[str, Any]]:
+  return cpu.step_defaults(mesh.devices.flat, mode.name in SLICED, mesh.shape[axis_name],
+                           fsdp=mode.name == "fsdp")
 
 
 def _check_mode(mode: str | Mode) -> Mode:
@@ -349,7 +352,7 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
       # A host copy of the state, or one restored onto a single device: place it all
       # (checked on the counter alone, so a placed state costs nothing per leaf).
       state = jax.tree.map(place, state, shardings_of(state))
-    elif mode in ("sharded", "fsdp"):  # a restored or host copy of slices: split again
+    elif mode in SLICED:  # a restored or host copy of slices: split again
       state = state._replace(**{f: jax.tree.map(place, getattr(state, f),
                                                 getattr(specs_shardings, f))
                                 for f in ("params", "opt_state")})
@@ -422,7 +425,7 @@ def _transformation(mode: str, optimizer: Any, axis_name: str, comm_dtype: Any,
                     param_dtype: ParamDtype, plan_options: Mapping[str, Any]
                     ) -> optax.GradientTransformationExtraArgs:
   """The mode's optax transformation."""
-  if mode in ("sharded", "fsdp"):
+  if mode in SLICED:
     return sharded(optimizer, axis_name, comm_dtype=comm_dtype, param_dtype=param_dtype,
                    **plan_options)
   if mode == "packed":  # packed gradients: the optimizer runs on their buckets
@@ -470,7 +473,7 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
   """Replicated everywhere, except the optimizer's slices (ZeRO-1 and -3) and the params'
   (ZeRO-3), which are split over the axis."""
   def split(x):
-    return P(axis_name) if (mode in ("sharded", "fsdp") and x.ndim >= 1) else P()
+    return P(axis_name) if (mode in SLICED and x.ndim >= 1) else P()
 
   return TrainState(jax.tree.map(split if mode == "fsdp" else (lambda _: P()),
                                  state_shapes.params),

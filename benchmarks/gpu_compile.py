@@ -198,7 +198,8 @@ def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
   elif key in ("hand_pmean", "hand_pmean_options"):  # the README's first step
     options = jpack.step_options(mesh)[0] if key == "hand_pmean_options" else {}
     s = step_bench._plain_step(
-        model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS, **options)), tx)
+        model, mesh, optax.stateless(
+            lambda g, p=None: jpack.pmean(g, AXIS, layout=jpack.plan(g, **options))), tx)
   elif key in ("jit", "jit_zero1", "jit_fsdp", "jit_fsdp_maxtext"):
     # Auto axes: XLA chooses the shardings inside the step, as a plain jit user gets
     # (under Explicit axes an embedding lookup would need its out_sharding spelled out).

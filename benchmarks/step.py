@@ -675,7 +675,8 @@ def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
   builders = {
       "per_leaf": lambda: _plain_step(model, mesh, per_leaf, adam),
       "hand_pmean": lambda: _plain_step(
-          model, mesh, optax.stateless(lambda g, p=None: jpack.pmean(g, AXIS, **plan_options)),
+          model, mesh, optax.stateless(
+              lambda g, p=None: jpack.pmean(g, AXIS, layout=jpack.plan(g, **plan_options))),
           adam),
       MULTISTEPS: lambda: _multi_steps(model, mesh, ACCUMULATE),
       "ravel": lambda: _plain_step(model, mesh, optax.stateless(_ravel_pmean), adam),
@@ -684,7 +685,7 @@ def build(key: str, model: Model, mesh, plan_options: dict) -> Any:
       "jit_zero1": lambda: _jit_step(model, _auto(mesh), zero1=True),
       "jit_fsdp": lambda: _jit_step(model, _auto(mesh), zero1=True, fsdp=True),
       "optax_chain": lambda: _plain_step(
-          model, mesh, jpack.optax.allreduce(AXIS, grad_norm=True, **plan_options), adam,
+          model, mesh, jpack.optax.allreduce(AXIS, grad_norm=True, plan_options=plan_options), adam,
           record_norm=False),
       "hand_zero1": lambda: _hand_zero1(model, mesh),
       "grad_only": lambda: _grads_only(model, mesh),

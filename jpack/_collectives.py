@@ -18,9 +18,9 @@ import numpy as np
 from jax import lax
 
 from jpack._internal import bits_dtype, dtype_name, is_key_dtype
-from jpack._layout import Layout, check_plan_options
+from jpack._layout import Layout, plan
 from jpack import _cpu as cpu
-from jpack._pack import Packed, buckets_repr, check_buckets, pack, unpack
+from jpack._pack import Packed, buckets_repr, check_buckets, pack, unpack_shared
 
 AxisName = Any
 
@@ -78,7 +78,7 @@ class Shards:
 
 
 def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
-         layout: Layout | None = None, method: str = "auto", **plan_options: Any) -> Any:
+         layout: Layout | None = None) -> Any:
   """Sum ``tree`` over ``axis_name``, one collective per bucket.
 
   Equal to ``jax.tree.map(lambda x: jax.lax.psum(x, axis_name), tree)``: exactly for
@@ -96,13 +96,8 @@ def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
       through ``all_to_all`` + ``all_gather`` instead, and each device sums in f32:
       XLA:CPU would widen a 16-bit collective to f32 bytes. Results come back in each
       leaf's own dtype. Integer and complex buckets are always sent in their own dtype.
-    layout: the `Layout` to pack with (planned from ``tree`` if omitted, with
-      ``num_shards`` set to the axis size).
-    method: ``"psum"`` (one ``lax.psum`` per bucket), ``"scatter_gather"``
-      (``psum_scatter`` + ``all_gather`` per bucket), or ``"auto"``: on CPU
-      scatter_gather where a bucket splits evenly over the axis (XLA:CPU merges plain
-      all-reduces into one slow tuple all-reduce), psum elsewhere and on other backends.
-    **plan_options: options for `jpack.plan` (only without ``layout``).
+    layout: the `Layout` to pack with (`jpack.plan` with its options); planned from
+      ``tree`` with ``num_shards`` set to the axis size if omitted.
 
   Returns:
     The summed tree (or `Packed`), same structure and dtypes as ``tree``.
@@ -124,13 +119,12 @@ def psum(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     >>> int(out["count"][0]) == n, out["w"].shape, out["count"].dtype
     (True, (1, 3), dtype('int32'))
   """
-  return _reduce(tree, axis_name, mean=False, comm_dtype=comm_dtype, layout=layout,
-                 method=method, allow_int=True, plan_options=plan_options)
+  return reduce(tree, axis_name, mean=False, comm_dtype=comm_dtype, layout=layout,
+                allow_int=True)
 
 
 def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
-          layout: Layout | None = None, method: str = "auto", allow_int: bool = False,
-          **plan_options: Any) -> Any:
+          layout: Layout | None = None, allow_int: bool = False) -> Any:
   """Average ``tree`` over ``axis_name``, one collective per bucket.
 
   Equal to per-leaf ``jax.lax.pmean`` for floating leaves, to float rounding. The sum
@@ -143,7 +137,6 @@ def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     axis_name: as in `jpack.psum`.
     comm_dtype: as in `jpack.psum`.
     layout: as in `jpack.psum`.
-    method: as in `jpack.psum`.
     allow_int: integer leaves have no exact mean in their own dtype, so they are refused
       unless this is True; then each leaf gets the floor of the exact mean, in its own
       dtype, with no overflow over the whole dtype range (values equal on every device,
@@ -160,17 +153,24 @@ def pmean(tree: Any, axis_name: AxisName, *, comm_dtype: Any = None,
     ValueError: ``allow_int=True`` with integer leaves over an axis of more than 65536
       devices while 64-bit types are off.
   """
-  return _reduce(tree, axis_name, mean=True, comm_dtype=comm_dtype, layout=layout,
-                 method=method, allow_int=allow_int, plan_options=plan_options)
+  return reduce(tree, axis_name, mean=True, comm_dtype=comm_dtype, layout=layout,
+                allow_int=allow_int)
 
 
-def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, plan_options):
+def reduce(tree: Any, axis_name: AxisName, *, mean: bool, comm_dtype: Any = None,
+           layout: Layout | None = None, allow_int: bool = False,
+           method: str = "auto") -> Any:
+  """`psum` or `pmean`, with the collective per bucket chosen by ``method``:
+  ``"psum"`` (one ``lax.psum``), ``"scatter_gather"`` (``psum_scatter`` + ``all_gather``),
+  or ``"auto"``, the platform's choice: on CPU scatter_gather where a bucket splits
+  evenly over the axis (XLA:CPU merges plain all-reduces into one slow tuple
+  all-reduce), psum elsewhere and on other backends."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   comm_dtype = _check_comm_dtype(comm_dtype)
   n = axis_size(axis_name)
   op = "pmean" if mean else "psum"
-  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=n, op=op)
+  packed, was_packed = _to_packed(tree, layout, num_shards=n)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int, op=op)
   for i, bucket in enumerate(packed.layout.buckets):
     if method == "scatter_gather" and bucket.size % n:
@@ -190,7 +190,7 @@ def _reduce(tree, axis_name, *, mean, comm_dtype, layout, method, allow_int, pla
 def _reduce_buckets(buckets, axis_name, n, *, scatter_on_cpu, scatter_elsewhere, mean,
                     comm_dtype, gather):
   """Each bucket reduced (psum, or psum_scatter + all_gather where ``scatter_*``), the
-  XLA:CPU way in programs lowered for CPU (see `cpu.reduce_narrow`, ``method="auto"``)."""
+  XLA:CPU way in programs lowered for CPU (see `cpu.reduce_narrow` and `reduce`)."""
   def plain(buckets):
     return tuple(_reduce_bucket(x, axis_name, n, mean=mean, comm_dtype=comm_dtype,
                                 scatter=s, gather=gather)
@@ -284,7 +284,7 @@ def _floor_mean(x, n, reduce):
 
 
 def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
-              layout: Layout | None = None, **plan_options: Any) -> Any:
+              layout: Layout | None = None) -> Any:
   """Give every device ``root``'s values of ``tree`` (e.g. the initial parameters).
 
   Bit-exact for every dtype (floats, and the real and imaginary parts of complex
@@ -296,7 +296,6 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
     axis_name: the mesh / pmap axis.
     root: index along ``axis_name`` of the device whose values win.
     layout: as in `jpack.psum`, but planned from ``tree`` with ``num_shards=1`` if omitted.
-    **plan_options: as in `jpack.psum`.
 
   Returns:
     ``tree`` as it is on ``root``, on every device.
@@ -304,7 +303,7 @@ def broadcast(tree: Any, axis_name: AxisName, *, root: int = 0,
   n = axis_size(axis_name)
   if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
     raise ValueError(f"root must be an int in [0, {n}) for axis {axis_name!r}, got {root!r}.")
-  packed, was_packed = _to_packed(tree, layout, plan_options, num_shards=1, op="broadcast")
+  packed, was_packed = _to_packed(tree, layout, num_shards=1)
   send = lambda bits: _root_only_sum(bits, axis_name, root)
   send_float = lambda x: _send_bits(x, axis_name, root)
   out = []
@@ -360,7 +359,7 @@ def shard(packed: Packed, axis_name: AxisName) -> Shards:
   """
   if not isinstance(packed, Packed):
     raise TypeError(f"shard() expects a jpack.Packed, got {type(packed).__name__}; pack "
-                    "the tree first: jpack.pack(tree, num_shards=<axis size>).")
+                    "the tree first: jpack.pack(tree, jpack.plan(tree, num_shards=<axis size>)).")
   n = axis_size(axis_name)
   check_shardable(packed.layout, n)
   k = lax.axis_index(axis_name)
@@ -370,7 +369,7 @@ def shard(packed: Packed, axis_name: AxisName) -> Shards:
 
 def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
                    comm_dtype: Any = None, layout: Layout | None = None,
-                   allow_int: bool = False, **plan_options: Any) -> Shards:
+                   allow_int: bool = False) -> Shards:
   """Sum (or average) over ``axis_name`` and keep only this device's slice of each bucket.
 
   Args:
@@ -381,14 +380,13 @@ def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
     comm_dtype: as in `jpack.pmean`.
     layout: as in `jpack.pmean`.
     allow_int: as in `jpack.pmean`.
-    **plan_options: as in `jpack.pmean`.
 
   Returns:
     `Shards` holding the reduced slices; `jpack.all_gather` reassembles them.
   """
   comm_dtype = _check_comm_dtype(comm_dtype)
   n = axis_size(axis_name)
-  packed, _ = _to_packed(tree, layout, plan_options, num_shards=n, op="reduce_scatter")
+  packed, _ = _to_packed(tree, layout, num_shards=n)
   check_shardable(packed.layout, n)
   _check_reducible(packed.layout, mean=mean, allow_int=allow_int or not mean,
                    op="reduce_scatter")
@@ -514,25 +512,22 @@ def axis_size(axis_name: AxisName) -> int:
                     "jax.vmap(..., axis_name=...) over that axis.") from e
 
 
-def _to_packed(tree, layout, plan_options, *, num_shards, op):
-  if plan_options:
-    check_plan_options(plan_options, f"jpack.{op}")
+def _to_packed(tree, layout, *, num_shards):
   if isinstance(tree, Packed):
-    if layout is not None or plan_options:
-      raise TypeError("Got a Packed and a layout or plan options; a Packed carries its "
-                      "own layout. Pass one or the other.")
+    if layout is not None:
+      raise TypeError("Got a Packed and a layout; a Packed carries its own layout. Pass "
+                      "one or the other.")
     check_buckets(tree.buckets, tree.layout)  # e.g. a per-device axis left on by shard_map
     return tree, True
   if layout is None:
-    plan_options = dict(plan_options)
-    plan_options.setdefault("num_shards", num_shards)
-  return pack(tree, layout, **plan_options), False
+    layout = plan(tree, num_shards=num_shards)
+  return pack(tree, layout), False
 
 
 def _unpacked(result: Packed) -> Any:
   """The tree out of a collective's buckets. Its leaves are copied out of the buckets
   anyway, so slicing with shared kernels (on CPU) changes only the compile time."""
-  return unpack(result, share_kernels=True)
+  return unpack_shared(result)
 
 
 def _check_comm_dtype(comm_dtype):

@@ -10,10 +10,10 @@ what jpack does there instead:
   payloads in copies and sends f32 bytes in collectives.
 - A bucket of many leaves is filled by one gather, which compiles faster than a
   concatenate of hundreds of operands.
-- Trees returned by collectives (and ``unpack(share_kernels=True)``) are sliced at
+- Trees returned by collectives are sliced at
   offsets XLA cannot fold, so slices of equal size share one compiled kernel instead of
   one kernel per leaf.
-- ``method="auto"`` reduces a bucket with ``psum_scatter`` + ``all_gather``: XLA:CPU
+- Collectives reduce a bucket with ``psum_scatter`` + ``all_gather``: XLA:CPU
   merges plain all-reduces into one slow tuple all-reduce.
 - Outside ``jit``, CPU buckets are unpacked as numpy views (nothing is compiled).
 - ``jpack.data_parallel`` bounds the steps in flight on CPU devices: XLA:CPU's

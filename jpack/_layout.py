@@ -297,24 +297,35 @@ def plan(
   return _finalize(treedef, specs, placements, fills, options)
 
 
-def check_plan_options(options: Mapping[str, Any], where: str) -> None:
+def check_plan_options(options: Mapping[str, Any] | None, where: str,
+                       **overrides: Any) -> dict[str, Any]:
   """Refuse now the options that `plan` would refuse later, inside a traced step.
 
   Args:
-    options: keyword arguments meant for `plan`.
+    options: keyword arguments meant for `plan`, or None for none.
     where: the caller, for the message (e.g. ``"jpack.optax.sharded"``).
+    **overrides: options the caller sets itself, checked in their place.
+
+  Returns:
+    ``options`` as a dict (without ``overrides``).
 
   Raises:
     TypeError: an option `plan` does not take, or of the wrong type.
     ValueError: an option value `plan` refuses.
   """
+  if options is None:
+    return {}
+  if not isinstance(options, Mapping):
+    raise TypeError(f"{where}: plan_options must be a dict of jpack.plan's keyword "
+                    f"arguments, got {type(options).__name__}.")
   known = [p.name for p in inspect.signature(plan).parameters.values()
            if p.kind is inspect.Parameter.KEYWORD_ONLY]
   unknown = sorted(set(options) - set(known))
   if unknown:
-    raise TypeError(f"{where} got unexpected keyword argument(s) {unknown}; its extra "
-                    f"keyword arguments go to jpack.plan, which takes {known}.")
-  plan((), **options)
+    raise TypeError(f"{where}: plan_options has unknown key(s) {unknown}; they go to "
+                    f"jpack.plan, which takes {known}.")
+  plan((), **{**options, **overrides})
+  return dict(options)
 
 
 # -- plan, step by step: leaf specs -> assignment -> finalize ----------------------------

@@ -61,15 +61,14 @@ def buckets_repr(x: Any) -> str:
           f"buckets=({', '.join(show(b) for b in x.buckets)}))")
 
 
-def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed:
+def pack(tree: Any, layout: Layout | None = None) -> Packed:
   """Pack ``tree`` into flat, per-dtype buckets.
 
   Args:
     tree: a pytree of arrays (jax or numpy) or Python scalars.
-    layout: the `Layout` to follow; planned from ``tree`` with ``plan_options`` if
-      omitted. Give one when packing many trees of the same structure (gradients every
-      step) so planning happens once.
-    **plan_options: options for `jpack.plan` (only without ``layout``).
+    layout: the `Layout` to follow (`jpack.plan` with its options); planned from
+      ``tree`` with `jpack.plan`'s defaults if omitted. Give one when packing many trees
+      of the same structure (gradients every step) so planning happens once.
 
   Returns:
     A `Packed` whose buckets hold every leaf at its slot's offset, zeros in the padding.
@@ -81,15 +80,13 @@ def pack(tree: Any, layout: Layout | None = None, **plan_options: Any) -> Packed
 
   Examples:
     >>> import jax.numpy as jnp, jpack
-    >>> packed = jpack.pack({"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}, align_bytes=4)
+    >>> tree = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}
+    >>> packed = jpack.pack(tree, jpack.plan(tree, align_bytes=4))
     >>> packed.buckets[0]
     Array([1., 1., 1., 1., 0., 1., 2.], dtype=float32)
   """
   if layout is None:
-    layout = plan(tree, **plan_options)
-  elif plan_options:
-    raise TypeError(f"pack() got a layout and plan options {sorted(plan_options)}; the "
-                    "layout already fixes them. Pass one or the other.")
+    layout = plan(tree)
   elif not isinstance(layout, Layout):
     raise TypeError(f"layout must be a jpack.Layout, got {type(layout).__name__}.")
   leaves = flatten_like(tree, layout)
@@ -158,17 +155,12 @@ def _concat_with_gaps(flat: tuple[Any, ...], starts: tuple[int, ...], size: int,
   return pieces[0] if len(pieces) == 1 else concatenate(tuple(pieces))
 
 
-def unpack(packed: Packed, *, share_kernels: bool = False) -> Any:
+def unpack(packed: Packed) -> Any:
   """Rebuild the original tree from a `Packed`: exact inverse of `pack`.
 
   Args:
     packed: the result of `pack` (or any `Packed` whose buckets match its layout, such
       as the output of a collective or an optimizer update on the buckets).
-    share_kernels: inside a jit compiled for CPU, slice at offsets XLA cannot fold, so
-      that slices of equal size share one compiled kernel instead of one kernel per
-      leaf. It compiles much faster with many leaves and runs a little slower (each leaf
-      becomes a copy that static slices would fuse into their consumers); see
-      docs/performance.md. No effect on other backends or outside jit.
 
   Returns:
     The tree, every leaf with its original shape and dtype.
@@ -191,7 +183,7 @@ def unpack(packed: Packed, *, share_kernels: bool = False) -> Any:
                     "use jpack.pack(tree) to make one.")
   check_buckets(packed.buckets, packed.layout)
   if not outside_jit(packed.buckets):
-    return _unpack_traced(packed, share_kernels)
+    return _unpack_traced(packed, share_kernels=False)
   if cpu.readable_on_host(packed.buckets):
     return cpu.unpack_on_host(packed.layout, packed.buckets)
   if cpu.on_cpu(packed.buckets):
@@ -241,6 +233,12 @@ def _slices(layout: Layout, buckets: tuple[Any, ...], split: Callable[..., list[
     for j in empty:
       leaves[j] = leaf_from_flat(lax.slice_in_dim(whole, 0, 0), layout.slots[j])
   return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def unpack_shared(packed: Packed) -> Any:
+  """`unpack` inside a trace, with slices of equal size sharing one kernel on CPU
+  whatever the number of leaves: for trees whose leaves are copied out anyway."""
+  return _unpack_traced(packed, share_kernels=True)
 
 
 _unpack_compiled = jax.jit(functools.partial(_unpack_traced, share_kernels=False))

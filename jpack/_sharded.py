@@ -68,7 +68,7 @@ class ShardedState:
 
 def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: Any = None,
             param_dtype: ParamDtype = None,
-            **plan_options: Any) -> optax.GradientTransformation:
+            plan_options: Mapping[str, Any] | None = None) -> optax.GradientTransformation:
   """ZeRO-1: run ``inner`` on this device's 1/N slice of every gradient bucket.
 
   Use inside `jax.shard_map` / `jax.pmap` over ``axis_name``, on per-device (not yet
@@ -108,7 +108,8 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
       Gradients are cast to the masters' dtype before the reduce-scatter (``comm_dtype``
       can narrow the wire). With `Shards` params, the caller's all-gather of the new
       params moves ``param_dtype`` bytes: half of float32's for bfloat16.
-    **plan_options: options for `jpack.plan` (``num_shards`` is set to the axis size).
+    plan_options: keyword arguments for `jpack.plan`, as one dict (``num_shards`` is
+      set to the axis size).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `ShardedState`; extra
@@ -128,7 +129,7 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
   """
   inner, labels = split_partition(inner)
   check_inner(inner, labels)
-  check_plan_options({**plan_options, "num_shards": 1}, "jpack.optax.sharded")
+  plan_options = check_plan_options(plan_options, "jpack.optax.sharded", num_shards=1)
   where = "inside jpack.optax.sharded"
   arrange = ownership(inner, axis_name, where, plan_options)
 

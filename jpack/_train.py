@@ -195,7 +195,8 @@ def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
   """The plan options and XLA compiler options `data_parallel` uses on ``mesh``.
 
   For a hand-written step, so that it compiles to `data_parallel`'s program: pass the
-  first to `jpack.plan` (or `jpack.pmean`) and the second to your ``jax.jit``. On CPU
+  first to `jpack.plan` (or as ``plan_options=`` to `jpack.optax`'s transformations)
+  and the second to your ``jax.jit``. On CPU
   devices (and TPUs) the compiler options are empty; on GPUs they merge the buckets'
   all-reduces without copies and keep every matrix in a bucket of its own (docs/gpu.md).
 
@@ -427,12 +428,13 @@ def _transformation(mode: str, optimizer: Any, axis_name: str, comm_dtype: Any,
   """The mode's optax transformation."""
   if mode in SLICED:
     return sharded(optimizer, axis_name, comm_dtype=comm_dtype, param_dtype=param_dtype,
-                   **plan_options)
+                   plan_options=plan_options)
   if mode == "packed":  # packed gradients: the optimizer runs on their buckets
-    update = flat(optimizer, param_dtype=param_dtype, **plan_options)
+    update = flat(optimizer, param_dtype=param_dtype, plan_options=plan_options)
   else:
     update = with_extra_args(optimizer)
-  reduce = allreduce(axis_name, comm_dtype=comm_dtype, grad_norm=True, **plan_options)
+  reduce = allreduce(axis_name, comm_dtype=comm_dtype, grad_norm=True,
+                     plan_options=plan_options)
   return optax.chain(reduce, update)
 
 

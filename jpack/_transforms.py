@@ -29,8 +29,9 @@ logger = logging.getLogger("jpack")
 
 
 def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
-              method: str = "auto", allow_int: bool = False, grad_norm: bool = False,
-              **plan_options: Any) -> optax.GradientTransformation:
+              allow_int: bool = False, grad_norm: bool = False,
+              plan_options: Mapping[str, Any] | None = None
+              ) -> optax.GradientTransformation:
   """All-reduce the incoming updates over ``axis_name``, packed into a few buckets.
 
   Put it first in a chain, inside `jax.shard_map` or `jax.pmap`:
@@ -41,13 +42,13 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     axis_name: the data-parallel mesh / pmap axis.
     mean: average (`jpack.pmean`) rather than sum (`jpack.psum`).
     comm_dtype: wire dtype of floating buckets (see `jpack.psum`).
-    method: collective per bucket, see `jpack.psum`.
     allow_int: with ``mean=True``, average integer leaves as the floor of the exact mean
       (see `jpack.pmean`) instead of refusing them; sums of integers are always exact.
     grad_norm: keep the global norm of the reduced updates in the state
       (`AllReduceState`), for logging; computed on the buckets, it costs one pass over
       them.
-    **plan_options: options for `jpack.plan`.
+    plan_options: keyword arguments for `jpack.plan`, as one dict (e.g. the first of
+      `jpack.step_options`); ``num_shards`` defaults to the axis size.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `optax.EmptyState`, or
@@ -57,7 +58,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     >>> import optax, jpack
     >>> tx = optax.chain(jpack.optax.allreduce("batch"), optax.adam(1e-3))
   """
-  check_plan_options(plan_options, "jpack.optax.allreduce")
+  plan_options = check_plan_options(plan_options, "jpack.optax.allreduce")
   reduce = pmean if mean else psum
 
   def init_fn(params):
@@ -68,9 +69,10 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
     del params
     packed = updates
     if not isinstance(updates, Packed):
-      packed = pack(updates, **{"num_shards": axis_size(axis_name), **plan_options})
+      packed = pack(updates, plan(updates, **{"num_shards": axis_size(axis_name),
+                                              **plan_options}))
     options = {"allow_int": allow_int} if mean else {}
-    if grad_norm and _norm_on_slices(packed.layout, axis_name, mean, method):
+    if grad_norm and _norm_on_slices(packed.layout, axis_name, mean):
       # Packed updates go on to `flat`, which orders its updates after the loss: the
       # norm's all-reduce must then not be combined with the loss's (see below).
       after_loss = (value_scalars(extra_args.get("value")) if isinstance(updates, Packed)
@@ -78,7 +80,7 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
       reduced, norm = _pmean_and_norm(packed, axis_name, comm_dtype, after_loss)
       state = AllReduceState(norm)
     else:
-      reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, method=method, **options)
+      reduced = reduce(packed, axis_name, comm_dtype=comm_dtype, **options)
       if grad_norm:
         state = AllReduceState(jnp.sqrt(sum_of_squares(reduced.buckets)))  # padding adds 0
     # Static slices: in a step they fuse into the optimizer's update.
@@ -87,10 +89,10 @@ def allreduce(axis_name: Any, *, mean: bool = True, comm_dtype: Any = None,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _norm_on_slices(layout: Layout, axis_name: Any, mean: bool, method: str) -> bool:
+def _norm_on_slices(layout: Layout, axis_name: Any, mean: bool) -> bool:
   """Whether `_pmean_and_norm` applies: averaged floating buckets that split evenly."""
   n = axis_size(axis_name)
-  return mean and method == "auto" and n > 1 and all(
+  return mean and n > 1 and all(
       b.size % n == 0 and jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets)
 
 
@@ -220,7 +222,7 @@ def layout_state_repr(state: Any) -> str:
 
 
 def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
-         **plan_options: Any) -> optax.GradientTransformation:
+         plan_options: Mapping[str, Any] | None = None) -> optax.GradientTransformation:
   """Run ``inner`` on flat per-dtype buckets instead of on every leaf.
 
   The per-dtype, no-promotion successor of `optax.flatten`: ``inner`` sees a tuple of
@@ -248,7 +250,7 @@ def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
       updates take the params to the new masters rounded to ``param_dtype``
       (``optax.apply_updates(params, updates) == jpack.cast_params(masters,
       param_dtype)``). Start from ``params = jpack.cast_params(full, param_dtype)``.
-    **plan_options: options for `jpack.plan`.
+    plan_options: keyword arguments for `jpack.plan`, as one dict.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `FlatState`; extra update
@@ -285,7 +287,7 @@ def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
   """
   inner, labels = split_partition(inner)
   check_inner(inner, labels)
-  check_plan_options(plan_options, "jpack.optax.flat")
+  plan_options = check_plan_options(plan_options, "jpack.optax.flat")
   where = "inside jpack.optax.flat"
   running = placement(inner, where)
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jpack
 import jpack._cpu
 from benchmarks._hlo import count_collectives
+from jpack._collectives import reduce  # the collective per bucket, chosen by method=
 from conftest import assert_sliced_at_unfoldable_offsets, bits
 
 N = 8
@@ -94,7 +95,8 @@ def test_psum_equals_per_leaf_psum(specs, seed, method, use_pmap, path):
   tree = per_device_tree(np.random.default_rng(seed), specs)
 
   def fn(t):
-    return (jpack.psum(t, "batch", method=method, align_bytes=16),
+    return (reduce(t, "batch", mean=False, allow_int=True, method=method,
+                   layout=jpack.plan(t, num_shards=N, align_bytes=16)),
             jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t))
 
   with on_path(path):
@@ -111,7 +113,8 @@ def test_pmean_equals_per_leaf_pmean(specs, seed, use_pmap, bucket_bytes, path):
   tree = per_device_tree(np.random.default_rng(seed), specs)
 
   def fn(t):
-    return (jpack.pmean(t, "batch", bucket_bytes=bucket_bytes),
+    return (jpack.pmean(t, "batch", layout=jpack.plan(t, num_shards=N,
+                                                      bucket_bytes=bucket_bytes)),
             jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), t))
 
   with on_path(path):
@@ -123,7 +126,7 @@ def test_packed_input_stays_packed_and_is_reduced_per_bucket():
   tree = per_device_tree(np.random.default_rng(0), [((3, 4), np.float32), ((5,), np.int32)])
 
   def fn(t):
-    packed = jpack.pack(t, num_shards=N)
+    packed = jpack.pack(t, jpack.plan(t, num_shards=N))
     out = jpack.psum(packed, "batch")
     assert isinstance(out, jpack.Packed) and out.layout == packed.layout
     return jpack.unpack(out), jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t)
@@ -157,7 +160,7 @@ def test_comm_dtype_wire_is_visible_in_compiled_program():
   m = mesh()
   x = jax.device_put(np.ones((N, 1024), np.float32), NamedSharding(m, P("batch")))
   fn = lambda wire: jax.jit(jax.shard_map(
-      lambda t: jpack.psum({"x": t[0]}, "batch", comm_dtype=wire, method="psum"),
+      lambda t: reduce({"x": t[0]}, "batch", mean=False, comm_dtype=wire, method="psum"),
       mesh=m, in_specs=P("batch"), out_specs=P())).lower(x).as_text()
   assert "bf16" in fn(jnp.bfloat16) and "bf16" not in fn(None)
 
@@ -275,7 +278,8 @@ def test_reduce_scatter_then_all_gather_equals_psum(path):
   tree = per_device_tree(np.random.default_rng(3), [((7, 3), np.float32), ((5,), np.int32)])
 
   def fn(t):
-    shards = jpack.reduce_scatter(t, "batch", align_bytes=8)
+    shards = jpack.reduce_scatter(t, "batch",
+                                  layout=jpack.plan(t, num_shards=N, align_bytes=8))
     sizes = [b.size // N for b in shards.layout.buckets]
     assert [s.shape[0] for s in shards.buckets] == sizes
     return (jpack.unpack(jpack.all_gather(shards, "batch")),
@@ -294,7 +298,8 @@ def test_broadcast_equals_the_roots_values_on_random_trees(specs, seed, root, us
   tree = per_device_tree(np.random.default_rng(seed), specs)
   tree = {k: (v % 2).astype(bool) if v.dtype == np.bool_ else v for k, v in tree.items()}
   got = (run_pmap if use_pmap else run_shard_map)(
-      lambda t: jpack.broadcast(t, "batch", root=root, align_bytes=16), tree)
+      lambda t: jpack.broadcast(t, "batch", root=root,
+                                layout=jpack.plan(t, align_bytes=16)), tree)
   for k in tree:
     assert bits(got[k]) == bits(tree[k][root]), k
 
@@ -311,8 +316,8 @@ def test_reduce_scatter_then_all_gather_equals_per_leaf_psum_on_random_trees(
   reference = jax.lax.pmean if mean else jax.lax.psum
 
   def fn(t):
-    shards = jpack.reduce_scatter(t, "batch", mean=mean, bucket_bytes=bucket_bytes,
-                                  align_bytes=16)
+    layout = jpack.plan(t, num_shards=N, bucket_bytes=bucket_bytes, align_bytes=16)
+    shards = jpack.reduce_scatter(t, "batch", mean=mean, layout=layout)
     return (jpack.unpack(jpack.all_gather(shards, "batch")),
             jax.tree.map(lambda x: reference(x, "batch"), t))
 
@@ -357,7 +362,7 @@ def test_allowed_int_mean_is_the_floor_of_the_exact_mean(method):
   rng = np.random.default_rng(11)
   ints = rng.integers(-50, 50, size=(N, 16)).astype(np.int32)  # differs on every device
   want = np.floor_divide(ints.sum(0), N)
-  got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True, method=method),
+  got = _trace(lambda t: reduce(t, "batch", mean=True, allow_int=True, method=method),
                {"i": ints})
   np.testing.assert_array_equal(got["i"], want)
   layout = jpack.plan({"i": ints[0]}, num_shards=N)
@@ -376,7 +381,7 @@ def test_allowed_int_mean_does_not_overflow_near_the_dtype_limits(dtype, method)
                       dtype=np.int64).astype(dtype)
   ints[:, :4] = [info.max, info.min, info.max - 1, 100 % (info.max + 1)]  # equal everywhere
   want = (ints.astype(object).sum(0) // N).astype(dtype)  # exact Python ints
-  got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True, method=method),
+  got = _trace(lambda t: reduce(t, "batch", mean=True, allow_int=True, method=method),
                {"i": ints})["i"]
   assert got.dtype == dtype
   np.testing.assert_array_equal(got, want)
@@ -395,7 +400,7 @@ def test_allowed_int_mean_when_the_device_count_does_not_fit_the_dtype(method):
   ints = rng.integers(-8, 8, size=(N, 32)).astype(jnp.int4)
   ints[:, 0] = np.arange(N)  # device d holds d: floor mean 3
   want = ints.astype(np.int64).sum(0) // N
-  got = _trace(lambda t: jpack.pmean(t, "batch", allow_int=True, method=method),
+  got = _trace(lambda t: reduce(t, "batch", mean=True, allow_int=True, method=method),
                {"i": ints})["i"]
   assert got.dtype == jnp.int4
   np.testing.assert_array_equal(np.asarray(got).astype(np.int64), want)
@@ -449,15 +454,14 @@ def test_allowed_int_mean_past_65536_devices_needs_64_bit_sums():
   np.testing.assert_array_equal(np.asarray(got[0]), [-1, -1])
 
 
-@pytest.mark.parametrize("op,kw", [("pmean", {}), ("pmean", {"method": "psum"}),
-                                   ("psum", {}), ("broadcast", {})])
-def test_a_packed_whose_buckets_do_not_match_its_layout_is_refused(op, kw):
+@pytest.mark.parametrize("op", ["pmean", "psum", "broadcast"])
+def test_a_packed_whose_buckets_do_not_match_its_layout_is_refused(op):
   # A stacked Packed split with P("batch") keeps a per-device axis of 1 in shard_map.
   m = mesh()
   layout = jpack.plan({"a": jnp.ones(3)}, num_shards=N)
   stacked = jax.vmap(lambda v: jpack.pack({"a": v}, layout))(jnp.ones((N, 3)))
   stacked = jax.device_put(stacked, NamedSharding(m, P("batch")))
-  f = jax.jit(jax.shard_map(lambda p: getattr(jpack, op)(p, "batch", **kw), mesh=m,
+  f = jax.jit(jax.shard_map(lambda p: getattr(jpack, op)(p, "batch"), mesh=m,
                             in_specs=P("batch"), out_specs=P("batch")))
   with pytest.raises(ValueError, match=r"Bucket 0 has shape \(1, 512\), but the layout "
                                        r"expects \(512,\)"):
@@ -468,7 +472,8 @@ def test_scatter_gather_refuses_a_bucket_that_does_not_split_evenly():
   tree = {"w": np.ones((N, 3), np.float32)}
   layout = jpack.plan({"w": np.ones(3, np.float32)}, align_bytes=4)  # 3 elements, 1 shard
   with pytest.raises(ValueError, match=r"Bucket 0 \(float32\) has 3 elements.*num_shards=8"):
-    _trace(lambda t: jpack.psum(t, "batch", layout=layout, method="scatter_gather"), tree)
+    _trace(lambda t: reduce(t, "batch", mean=False, layout=layout,
+                            method="scatter_gather"), tree)
   got = _trace(lambda t: jpack.psum(t, "batch", layout=layout), tree)  # auto: a psum
   np.testing.assert_array_equal(got["w"], np.full(3, N, np.float32))
 
@@ -489,11 +494,12 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="comm_dtype=float64 needs 64-bit types"):
       _trace(lambda t: jpack.psum(t, "batch", comm_dtype=jnp.float64), tree)
   with pytest.raises(ValueError, match="method must be one of"):
-    _trace(lambda t: jpack.psum(t, "batch", method="ring"), tree)
+    _trace(lambda t: reduce(t, "batch", mean=False, method="ring"), tree)
   with pytest.raises(ValueError, match=r"root must be an int in \[0, 8\)"):
     _trace(lambda t: jpack.broadcast(t, "batch", root=8), tree)
   with pytest.raises(ValueError, match="num_shards=8"):
-    _trace(lambda t: jpack.reduce_scatter(t, "batch", num_shards=3, align_bytes=4), tree)
+    _trace(lambda t: jpack.reduce_scatter(
+        t, "batch", layout=jpack.plan(t, num_shards=3, align_bytes=4)), tree)
   with pytest.raises(NameError, match="not bound"):
     jpack.psum({"w": jnp.ones(2)}, "batch")
 
@@ -510,7 +516,7 @@ def test_collectives_under_vmap_with_an_axis_name_equal_numpy(method, path):
     out = jax.jit(jax.vmap(fn, axis_name="batch"))(t)
     return jax.tree.map(lambda x: x[0], out)
 
-  summed = run(lambda t: jpack.psum(t, "batch", method=method, num_shards=N), tree)
+  summed = run(lambda t: reduce(t, "batch", mean=False, allow_int=True, method=method), tree)
   for k, v in tree.items():
     exact = np.asarray(v, np.float64).sum(0)
     assert summed[k].dtype == v.dtype and summed[k].shape == exact.shape
@@ -518,11 +524,11 @@ def test_collectives_under_vmap_with_an_axis_name_equal_numpy(method, path):
     eps = 2**-8 if v.dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(summed[k], np.float64), exact, rtol=0,
                                atol=N * eps * np.abs(np.asarray(v, np.float64)).sum(0).max())
-  mean = run(lambda t: jpack.pmean(t, "batch", method=method, num_shards=N), floats)
+  mean = run(lambda t: reduce(t, "batch", mean=True, method=method), floats)
   assert_close(mean, {k: np.asarray(v, np.float64).mean(0).astype(v.dtype)
                       for k, v in floats.items()})
-  wire = run(lambda t: jpack.pmean(t, "batch", comm_dtype=jnp.bfloat16, method=method,
-                                   num_shards=N), floats)
+  wire = run(lambda t: reduce(t, "batch", mean=True, comm_dtype=jnp.bfloat16,
+                              method=method), floats)
   for k, v in floats.items():
     # bf16 rounding of the inputs, and (method="psum": summed on a bf16 wire) of the
     # partial sums: within a bf16 ulp of the sum of magnitudes per rounding.
@@ -543,14 +549,14 @@ def test_fp8_buckets_reduce_exactly_like_numpy(dtype, method, path):
   rng = np.random.default_rng(11)
   tree = {"a": rng.integers(0, 2, size=(N, 24)).astype(dtype),
           "b": rng.integers(0, 2, size=(N, 3, 5)).astype(dtype)}
-  for op, ref in ((jpack.psum, lambda v: v.sum(0)), (jpack.pmean, lambda v: v.mean(0))):
-    got = run_shard_map(lambda t: op(t, "batch", method=method), tree)
+  for mean, ref in ((False, lambda v: v.sum(0)), (True, lambda v: v.mean(0))):
+    got = run_shard_map(lambda t: reduce(t, "batch", mean=mean, method=method), tree)
     for k, v in tree.items():
       assert got[k].dtype == dtype
       np.testing.assert_array_equal(np.asarray(got[k], np.float64),
                                     ref(np.asarray(v, np.float64)))
-  wire = run_shard_map(lambda t: jpack.pmean({"f": t["f"]}, "batch", comm_dtype=dtype,
-                                             method=method),
+  wire = run_shard_map(lambda t: reduce({"f": t["f"]}, "batch", mean=True,
+                                        comm_dtype=dtype, method=method),
                        {"f": tree["a"].astype(np.float32)})
   np.testing.assert_array_equal(np.asarray(wire["f"], np.float64),
                                 np.asarray(tree["a"], np.float64).mean(0))
@@ -618,17 +624,17 @@ def test_all_gather_checks_the_axis_and_options_name_the_function():
   tree = jax.device_put({"w": np.ones((8, 16), np.float32)}, NamedSharding(m, P(("x", "y"))))
 
   def gather_over_x_only(t):
-    return jpack.all_gather(jpack.reduce_scatter(t, ("x", "y"), align_bytes=4), "x")
+    layout = jpack.plan(t, num_shards=8, align_bytes=4)
+    return jpack.all_gather(jpack.reduce_scatter(t, ("x", "y"), layout=layout), "x")
 
   with pytest.raises(ValueError, match=r"all_gather over 'x' \(2 devices\): bucket 0"):
     jax.jit(jax.shard_map(gather_over_x_only, mesh=m, in_specs=P(("x", "y")),
                           out_specs=P())).trace(tree)
-  with pytest.raises(TypeError, match=r"jpack.psum got unexpected keyword argument\(s\) \['mean'\]"):
-    _trace(lambda t: jpack.psum(t, "batch", mean=True), {"w": np.ones((N, 3), np.float32)})
-  with pytest.raises(TypeError, match=r"jpack.optax.allreduce got unexpected.*bucket_size"):
-    jpack.optax.allreduce("batch", bucket_size=3)
+  with pytest.raises(TypeError, match=r"jpack.optax.allreduce: plan_options has unknown "
+                                      r"key\(s\) \['bucket_size'\]"):
+    jpack.optax.allreduce("batch", plan_options=dict(bucket_size=3))
   with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
-    jpack.optax.flat(optax.sgd(0.1), bucket_bytes=0)
+    jpack.optax.flat(optax.sgd(0.1), plan_options=dict(bucket_bytes=0))
 
 
 @pytest.mark.parametrize("dtype,wire", [(jnp.bfloat16, None), (np.float32, jnp.bfloat16)])
@@ -638,7 +644,8 @@ def test_narrow_wire_over_an_axis_wider_than_16_equals_numpy(dtype, wire):
   n = 32
   rng = np.random.default_rng(21)
   x = rng.normal(size=(n, 40)).astype(dtype)
-  got = jax.jit(jax.vmap(lambda t: jpack.pmean(t, "i", comm_dtype=wire, num_shards=n),
+  got = jax.jit(jax.vmap(lambda t: jpack.pmean(t, "i", comm_dtype=wire,
+                                               layout=jpack.plan(t, num_shards=n)),
                          axis_name="i"))({"x": x})["x"]
   assert got.dtype == x.dtype
   wide = np.asarray(x, np.float64)
@@ -673,9 +680,10 @@ def test_trees_of_many_leaves_in_several_buckets_equal_per_leaf_references(
   opts = dict(bucket_bytes=256, align_bytes=16)
 
   def fn(t, f):
-    mine = (jpack.psum(t, "batch", **opts), jpack.pmean(f, "batch", **opts),
-            jpack.broadcast(t, "batch", root=5, **opts),
-            jpack.pmean(f, "batch", method="psum", **opts))
+    lt, lf = jpack.plan(t, num_shards=N, **opts), jpack.plan(f, num_shards=N, **opts)
+    mine = (jpack.psum(t, "batch", layout=lt), jpack.pmean(f, "batch", layout=lf),
+            jpack.broadcast(t, "batch", root=5, layout=lt),
+            reduce(f, "batch", mean=True, layout=lf, method="psum"))
     ref = (jax.tree.map(lambda x: jax.lax.psum(x, "batch"), t),
            jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), f),
            jax.tree.map(lambda x: jax.lax.psum(jnp.where(idx() == 5, x, 0), "batch"), t),

@@ -54,14 +54,14 @@ def optimizers(mask):
 
 
 def flat_update(tx, updates, params, options):
-  wrapped = jpack.optax.flat(tx, **options)
+  wrapped = jpack.optax.flat(tx, plan_options=options)
   return wrapped.update(updates, wrapped.init(params), params)[0]
 
 
 def sharded_update(tx, updates, params, options):
   """One update of ``jpack.optax.sharded(tx)`` on 8 devices, every device holding the
   same gradient (so that the mean is the gradient itself)."""
-  wrapped = jpack.optax.sharded(tx, "batch", **options)
+  wrapped = jpack.optax.sharded(tx, "batch", plan_options=options)
   mesh = jax.make_mesh((N,), ("batch",), devices=jax.devices()[:N])
 
   def body(u, p):

@@ -384,7 +384,7 @@ def test_extra_update_arguments_reach_the_inner_optimizer():
 
 def test_sharded_passes_extra_arguments_and_takes_shards_in_init():
   opt = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
-  tx = jpack.optax.sharded(opt, "batch", align_bytes=16)
+  tx = jpack.optax.sharded(opt, "batch", plan_options=dict(align_bytes=16))
   mesh = jax.make_mesh((N,), ("batch",))
   params = jax.tree.map(lambda x: x.astype(jnp.float32), params0())
   grads = jax.tree.map(lambda x: x + 1.0, params)

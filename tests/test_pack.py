@@ -12,6 +12,7 @@ import contextlib
 
 import jpack
 import jpack._cpu
+from jpack._pack import unpack_shared  # what collectives return trees with
 from conftest import assert_sliced_at_unfoldable_offsets, bits
 
 KEY = "key"  # typed PRNG key arrays (jax.random.key): random key data
@@ -85,7 +86,7 @@ def test_round_trip_is_bit_identical_and_buckets_match_numpy(tree, align, bucket
     assert bits(got) == bits(want)  # includes zero padding
   # Eager (read on the host), traced (static slices) and traced with shared kernels
   # (slices at offsets XLA cannot fold).
-  shared = jax.jit(lambda p: jpack.unpack(p, share_kernels=True))
+  shared = jax.jit(lambda p: unpack_shared(p))
   for back in (jpack.unpack(packed), jax.jit(jpack.unpack)(packed), shared(packed)):
     assert jax.tree.structure(back) == jax.tree.structure(tree)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
@@ -125,19 +126,20 @@ def test_every_bit_pattern_of_narrow_floats_survives_jit(dtype, fill, num_leaves
   for got, want in zip(packed.buckets, numpy_reference_buckets(tree, layout)):
     assert bits(got) == bits(want)
   for back in (jax.jit(jpack.unpack)(packed),
-               jax.jit(lambda p: jpack.unpack(p, share_kernels=True))(packed)):
+               jax.jit(lambda p: unpack_shared(p))(packed)):
     np.testing.assert_array_equal(np.concatenate([np.asarray(x).view(patterns.dtype)
                                                   for x in back]), patterns)
 
 
 @pytest.mark.parametrize("dtypes", [[np.float32], [np.int32, np.float32], [jnp.bfloat16]])
 def test_unpack_sharing_kernels_slices_at_offsets_xla_cannot_fold(dtypes):
-  # The mechanism behind share_kernels' compile time (docs/performance.md): a static or
+  # The mechanism behind the collectives' compile time (docs/performance.md): a static or
   # folded offset shows as a `slice`, one XLA:CPU kernel per leaf.
   tree = [np.arange(6, dtype=dtypes[i * len(dtypes) // 200]) + i for i in range(200)]
   packed = jpack.pack(tree)
   for share in (True, False):
-    compiled = jax.jit(lambda p: jpack.unpack(p, share_kernels=share)).lower(packed).compile()
+    unpack = unpack_shared if share else jpack.unpack
+    compiled = jax.jit(unpack).lower(packed).compile()
     text = compiled.as_text()
     if share:
       assert_sliced_at_unfoldable_offsets(text, 200, 6)
@@ -193,7 +195,7 @@ def _loss(tree):
 
 
 def _unpack_sharing_kernels(packed):
-  return jpack.unpack(packed, share_kernels=True)
+  return unpack_shared(packed)
 
 
 @pytest.mark.parametrize("unpack", [jpack.unpack, _unpack_sharing_kernels])
@@ -350,8 +352,6 @@ def test_non_array_leaf_and_bad_arguments():
   layout = jpack.plan({"a": jax.ShapeDtypeStruct((2,), jnp.float32)})
   with pytest.raises(TypeError, match=r"\['a'\].*ShapeDtypeStruct"):
     jpack.pack({"a": jax.ShapeDtypeStruct((2,), jnp.float32)}, layout)
-  with pytest.raises(TypeError, match="layout and plan options"):
-    jpack.pack({"a": jnp.ones(2)}, layout, align_bytes=4)
   with pytest.raises(TypeError, match="jpack.Layout"):
     jpack.pack({"a": jnp.ones(2)}, "not a layout")
   with pytest.raises(TypeError, match="expects a jpack.Packed"):
@@ -490,8 +490,8 @@ def test_zero_size_leaves_round_trip_inside_one_jit(reverse, num_shards):
   # A zero-size concatenate operand followed by a split aborted XLA:CPU (the process).
   tree = {"a": jnp.zeros(0), "b": jnp.arange(3.0), "c": jnp.zeros((2, 0), jnp.bfloat16),
           "d": jnp.ones(2, jnp.bfloat16)}
-  out = jax.jit(lambda t: jpack.unpack(jpack.pack(t, reverse=reverse,
-                                                  num_shards=num_shards)))(tree)
+  out = jax.jit(lambda t: jpack.unpack(jpack.pack(t, jpack.plan(
+      t, reverse=reverse, num_shards=num_shards))))(tree)
   for k in tree:
     assert out[k].shape == tree[k].shape and out[k].dtype == tree[k].dtype
     np.testing.assert_array_equal(np.asarray(out[k], np.float32),
@@ -522,5 +522,5 @@ def test_unpack_under_vmap_equals_numpy(share_kernels):
              "n": rng.integers(-9, 9, size=(5, 2)).astype(np.int32)}
   layout = jpack.plan(jax.tree.map(lambda x: x[0], stacked))
   packed = jax.vmap(lambda t: jpack.pack(t, layout))(stacked)
-  back = jax.jit(jax.vmap(lambda p: jpack.unpack(p, share_kernels=share_kernels)))(packed)
+  back = jax.jit(jax.vmap(unpack_shared if share_kernels else jpack.unpack))(packed)
   _assert_bit_identical(back, stacked)

@@ -43,7 +43,7 @@ def test_shards_in_shards_out_then_gather_params_equals_replicated():
   tx = jpack.optax.sharded(optax.adamw(1e-2, weight_decay=0.1), "batch")
 
   def body(params, data):
-    packed = jpack.pack(params, num_shards=n)
+    packed = jpack.pack(params, jpack.plan(params, num_shards=n))
     state = tx.init(packed)
 
     def one(carry, x):
@@ -130,7 +130,7 @@ def test_owned_leaves_keep_about_one_nth_of_the_state():
   params = {f"w{i:02d}": jnp.asarray(rng.normal(size=(32, 32)), jnp.float32) for i in range(16)}
   params["b"] = jnp.zeros(32, jnp.float32)
   mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
-  tx = jpack.optax.sharded(optax.contrib.muon(1e-3), "batch", align_bytes=16)
+  tx = jpack.optax.sharded(optax.contrib.muon(1e-3), "batch", plan_options=dict(align_bytes=16))
   state = init_sharded(tx, params, n)  # one device's state
   full = sum(x.size * x.dtype.itemsize
              for x in jax.tree.leaves(optax.contrib.muon(1e-3).init(params)))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from benchmarks._hlo import Collectives, count_collectives  # noqa: F401  (the benches use both)
+from jpack._reference import Collectives, count_collectives  # noqa: F401  (the benches use both)
 
 BENCHMARKS_DIR = pathlib.Path(__file__).resolve().parent
 WORKLOADS_DIR = BENCHMARKS_DIR / "workloads"

@@ -81,7 +81,7 @@ import jpack  # noqa: E402
 from benchmarks import _common as c  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks import step as step_bench  # noqa: E402
-from benchmarks._hlo import CollectiveOp, Program, analyze_program  # noqa: E402
+from jpack._reference import CollectiveOp, Program, analyze_program  # noqa: E402
 
 AXIS = "batch"
 NUM_GPUS = 8

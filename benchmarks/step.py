@@ -137,6 +137,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpack
+from jpack import _reference
 from benchmarks import _common as c
 from benchmarks import checkpoint as ckpt
 from benchmarks import models
@@ -722,42 +723,6 @@ def _bytes_per_device(tree: Any) -> int:
   return total
 
 
-_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s*\(")
-_LOOP_BODY_RE = re.compile(r"\bbody=(%[\w.\-]+)")
-_NAME_RE = re.compile(r"%[\w.\-]+")
-
-
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-  """The lines of each computation in HLO text, by name."""
-  computations: dict[str, list[str]] = {}
-  current = None
-  for line in hlo_text.splitlines():
-    m = _COMPUTATION_RE.match(line)
-    if m and line.rstrip().endswith("{"):
-      current = computations.setdefault(m.group(1), [])
-    elif current is not None:
-      current.append(line)
-  return computations
-
-
-def loop_collectives(hlo_text: str) -> c.Collectives:
-  """The collectives in while-loop bodies (and what they call): the count of the whole
-  program has them once, yet they run once per iteration (lax.scan's micro-steps)."""
-  computations = _computations(hlo_text)
-  todo = [b for lines in computations.values() for line in lines
-          for b in _LOOP_BODY_RE.findall(line)]
-  inside: set[str] = set()
-  while todo:
-    name = todo.pop()
-    if name in inside or name not in computations:
-      continue
-    inside.add(name)
-    todo += [ref for line in computations[name] for ref in _NAME_RE.findall(line)
-             if ref in computations]
-  return c.count_collectives("\n".join(line for name in inside
-                                       for line in computations[name]))
-
-
 def _micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
   """``batch`` as ``k`` batches placed like it, the j-th holding micro-batch j of every
   device's rows: the split ``data_parallel(accumulate=k)`` makes on each device."""
@@ -844,7 +809,7 @@ def _result(p: _Prepared, metrics: dict) -> Result:
     p.saves.bytes = ckpt.checkpoint_bytes(p.saves.manager)
     p.saves.manager.close()
   return Result(p.key, p.compiled, statistics.median(p.times), p.times,
-                c.count_collectives(text), loop_collectives(text), len(p.batches),
+                c.count_collectives(text), _reference.loop_collectives(text), len(p.batches),
                 _bytes_per_device(p.state.opt_state),
                 _bytes_per_device((p.state.params, p.state.opt_state)),
                 jax.tree.map(np.asarray, p.step.unpack(p.state)), float(metrics["loss"]),

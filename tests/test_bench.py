@@ -219,7 +219,7 @@ def test_real_models_have_the_real_leaf_counts():
 
 
 def test_loop_collectives_counts_what_while_bodies_reach():
-  from benchmarks import step
+  from jpack import _reference
   hlo = """HloModule m
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -244,12 +244,12 @@ ENTRY %main (x: f32[8]) -> f32[8] {
   %ag = f32[64]{0} all-gather(%x), dimensions={0}
 }
 """
-  loop = step.loop_collectives(hlo)
+  loop = _reference.loop_collectives(hlo)
   assert loop.count == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 0,
                         "all-to-all": 0}
   assert loop.result_bytes["reduce-scatter"] == 4
   no_loop = hlo.replace("while(%t), condition=%cond, body=", "call(%t), to_apply=")
-  assert sum(step.loop_collectives(no_loop).count.values()) == 0
+  assert sum(_reference.loop_collectives(no_loop).count.values()) == 0
 
 
 def test_zero1_sharding_splits_the_largest_dimension_that_divides():

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import gpu_compile, models  # noqa: E402
-from benchmarks._hlo import analyze_program, count_collectives  # noqa: E402
+from jpack._reference import analyze_program, count_collectives  # noqa: E402
 
 # Small enough to compile in seconds, with what matters in real models: tied embeddings,
 # bf16 weights next to float32 norms, many small leaves next to big ones.

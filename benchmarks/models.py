@@ -472,8 +472,8 @@ def full_size(name: str, *, abstract: bool = True) -> Model:
     return gpt2(layers=24 if name == "gpt_1p3b" else 12, width=2048, vocab=50257,
                 positions=1024, heads=16, seq=1024, abstract=abstract, name=name)
   if name == "many_small_4000":
-    from benchmarks import _common as c
-    doc = c.load_workload_doc(name)
+    from benchmarks import harness
+    doc = harness.load_workload_doc(name)
     return many_small([int(np.prod(l["shape"])) for l in doc["leaves"]], abstract=abstract)
   raise ValueError(f"no model for workload {name!r}")
 

@@ -415,8 +415,8 @@ def machine_info() -> dict[str, Any]:
   """CPU model and cores, library versions, and the devices JAX runs on."""
   cpu = platform.processor() or platform.machine()
   try:
-    cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-               if line.startswith("model name"))
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
   except (OSError, StopIteration):
     pass
   import jaxlib

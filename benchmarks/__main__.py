@@ -1,85 +1,165 @@
-"""``python -m benchmarks <name> [options]``: run benchmark module ``benchmarks.<name>``.
+"""``python -m benchmarks <name> [options]``: the one command line of the benchmarks.
 
-``python -m benchmarks all [--quick] [--markdown-dir DIR] [--json-dir DIR]`` runs every
-benchmark, each in a fresh process: a benchmark that needs 8 CPU devices must set
-``jax_num_cpu_devices`` before JAX's backend starts, which one shared process cannot do.
-Run from the repository root (``benchmarks`` is not installed with jpack).
+Each benchmark is a module ``benchmarks.<name>`` of data (its models and variants) and a
+``run(opts, report)`` that measures them; this parses every option, checks the names
+against that data before anything runs, sets up the devices, and writes the results to
+``benchmarks/results/<name>.json``. ``all`` runs every benchmark in a fresh process
+(each sets the number of CPU devices, which JAX takes only before its backend starts);
+``render`` writes the figures in README.md and docs/ from the results.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
+import json
 import os
+import pathlib
 import subprocess
 import sys
-import time
+from typing import Any
 
 from benchmarks import BENCHMARKS
 
-USAGE = """usage: python -m benchmarks <name> [options]     (python -m benchmarks <name> --help)
-       python -m benchmarks all [--quick] [--markdown-dir DIR] [--json-dir DIR]
-
-benchmarks: {names}"""
+EPILOG = "names are comma-separated; each benchmark's models and variants: --list"
 
 
-def _exists(name: str) -> bool:
-  return importlib.util.find_spec(f"benchmarks.{name}") is not None
+def _positive(kind: type) -> Any:
+  def parse(text: str) -> Any:
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+      raise argparse.ArgumentTypeError(f"must be >= 1, got {text}" if kind is int
+                                       else f"must be > 0, got {text}")
+    return value
+  return parse
 
 
-def _available() -> list[str]:
-  return [n for n in BENCHMARKS if _exists(n)]
+def _fraction(text: str) -> float:
+  value = _positive(float)(text)
+  if value > 1:
+    raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+  return value
 
 
-def _run_all(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks all")
-  parser.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
-  parser.add_argument("--markdown-dir", metavar="DIR",
-                      help="write DIR/<name>.md for every benchmark")
-  parser.add_argument("--json-dir", metavar="DIR",
-                      help="write DIR/<name>.json for every benchmark (default: each "
-                           "benchmark's own default, benchmarks/results/<name>.json)")
-  args = parser.parse_args(argv)
+def _names(text: str) -> list[str]:
+  return [n for n in text.split(",") if n and n != "none"]
+
+
+def _output(text: str) -> str:
+  """A file path whose folder exists: checked before a run of minutes fails at its end."""
+  path = pathlib.Path(text)
+  if path.is_dir() or not path.parent.is_dir():
+    raise argparse.ArgumentTypeError(f"{text!r}: not a file in a folder that exists "
+                                     f"(folder {str(path.parent)!r} does not exist)")
+  return text
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m benchmarks", epilog=EPILOG,
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("name", choices=[*BENCHMARKS, "all", "render"], metavar="NAME",
+                 help=f"one of {', '.join(BENCHMARKS)}; all; render")
+  p.add_argument("--list", action="store_true", help="list the models and variants")
+  p.add_argument("--models", "--workloads", type=_names, help="models or workloads")
+  p.add_argument("--variants", "--modes", type=_names, help="variants (or modes)")
+  p.add_argument("--quick", action="store_true", help="small sizes, few rounds")
+  p.add_argument("--rounds", "--blocks", "--runs", type=_positive(int),
+                 help="timed rounds (median)")
+  p.add_argument("--steps", type=_positive(int), help="calls per timed round")
+  p.add_argument("--devices", type=_positive(int), help="devices on the data-parallel axis")
+  p.add_argument("--batch", type=_positive(int), help="rows per device")
+  p.add_argument("--bucket-bytes", type=_positive(int),
+                 help="bucket_bytes of jpack.plan in the steps written here")
+  p.add_argument("--scale", type=_fraction,
+                 help="optimizer: every leaf's largest dimension times this, in (0, 1]")
+  p.add_argument("--max-leaves", type=_positive(int), help="leaves kept per workload")
+  p.add_argument("--max-elements", type=_positive(int), help="elements kept per workload")
+  p.add_argument("--baseline", metavar="REV", default="HEAD~1",
+                 help="compare: the git revision whose jpack/ is the baseline")
+  p.add_argument("--model", metavar="MODULE:FUNCTION",
+                 help="gpu_compile: your model, FUNCTION() -> (params, loss_fn, batch)")
+  p.add_argument("--json", metavar="PATH", type=_output,
+                 help="the results file (default benchmarks/results/NAME.json)")
+  p.add_argument("--markdown", metavar="PATH", type=_output, help="also write Markdown")
+  p.add_argument("--update", action="store_true",
+                 help="keep the results of the --json file that this run does not measure")
+  p.add_argument("--check", action="store_true",
+                 help="render: change nothing, exit 1 if a page is out of date")
+  return p
+
+
+def _check(p: argparse.ArgumentParser, module: Any, opts: argparse.Namespace) -> None:
+  """Refuse unknown names and impossible options before anything runs."""
+  for flag, chosen, known in (("--models", opts.models, module.MODELS),
+                              ("--variants", opts.variants, module.VARIANTS)):
+    unknown = [n for n in chosen or () if n not in known
+               and not (n.startswith("small_") and "small_N" in known and n[6:].isdigit())]
+    if unknown:
+      p.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from "
+              f"{', '.join(known)}")
+  error = getattr(module, "check", lambda opts: None)(opts)
+  if error:
+    p.error(error)
+
+
+def _run_all(opts: argparse.Namespace) -> int:
   status = 0
-  summary = []
   for name in BENCHMARKS:
-    if not _exists(name):
-      print(f"\n### {name}: not available (no module benchmarks.{name}), skipped", flush=True)
-      summary.append((name, "skipped", 0.0))
-      continue
-    cmd = [sys.executable, "-m", "benchmarks", name]
-    if args.quick:
-      cmd.append("--quick")
-    for flag, folder, ext in (("--markdown", args.markdown_dir, "md"),
-                              ("--json", args.json_dir, "json")):
-      if folder:
-        os.makedirs(folder, exist_ok=True)
-        cmd += [flag, os.path.join(folder, f"{name}.{ext}")]
+    cmd = [sys.executable, "-m", "benchmarks", name, *(["--quick"] if opts.quick else [])]
     print(f"\n### {' '.join(cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
     rc = subprocess.call(cmd)
-    summary.append((name, "ok" if rc == 0 else f"exit {rc}", time.perf_counter() - t0))
+    print(f"### {name}: {'ok' if rc == 0 else f'exit {rc}'}", flush=True)
     status = status or rc
-  print("\n### summary")
-  for name, result, seconds in summary:
-    print(f"  {name:<12} {result:<8} {seconds:7.1f} s")
   return status
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
-  names = ", ".join(_available() + ["all"])
-  if not argv or argv[0] in ("-h", "--help", "help", "list"):
-    print(USAGE.format(names=names))
-    return 0 if argv else 2
-  name, rest = argv[0], argv[1:]
-  if name == "all":
-    return _run_all(rest)
-  if name not in BENCHMARKS or not _exists(name):
-    print(f"Unknown benchmark {name!r}.\n" + USAGE.format(names=names))
-    return 2
-  return int(importlib.import_module(f"benchmarks.{name}").main(rest) or 0)
+  p = parser()
+  opts = p.parse_args(argv)
+  if opts.name == "render":
+    from benchmarks import render
+    return render.main(check=opts.check)
+  if opts.name == "all":
+    return _run_all(opts)
+  os.environ.update(BENCHMARKS[opts.name])  # before JAX's backend starts
+  module = importlib.import_module(f"benchmarks.{opts.name}")
+  if opts.list:
+    print(f"models: {', '.join(module.MODELS)}\nvariants: {', '.join(module.VARIANTS)}")
+    return 0
+  _check(p, module, opts)
+  import jax
+
+  from benchmarks import harness
+  devices = opts.devices = opts.devices or module.DEVICES
+  if devices:
+    jax.config.update("jax_num_cpu_devices", devices)
+  if devices and jax.device_count() < devices:
+    p.error(f"needs {devices} devices, JAX has {jax.device_count()}")
+  for key, value in {**module.DEFAULTS, **(module.QUICK if opts.quick else {})}.items():
+    if getattr(opts, key, None) is None:
+      setattr(opts, key, value)
+  opts.json = opts.json or str(harness.RESULTS_DIR / f"{opts.name}.json")
+  earlier = (json.loads(pathlib.Path(opts.json).read_text())
+             if opts.update and pathlib.Path(opts.json).is_file() else None)
+  report = harness.Report(opts.name, module.TITLE, argv)
+  print(f"== benchmarks {opts.name} ==\nmachine: {harness.machine()}", flush=True)
+
+  def save() -> None:
+    """Write what the run has so far: a long run stopped by a limit keeps it."""
+    doc = report.json()
+    if earlier is not None:
+      doc = harness.merged(earlier, doc, module.MERGE_KEY, list(module.VARIANTS),
+                           list(module.MODELS))
+    report.write(opts.json, opts.markdown, getattr(module, "finish", lambda d: d)(doc))
+
+  opts.save = save
+  module.run(opts, report)
+  save()
+  return 0
 
 
 if __name__ == "__main__":

@@ -1,137 +1,92 @@
 """Data-parallel steps compiled for 8 H100s on any machine: jpack against XLA's own.
 
 No GPU is needed: JAX's CUDA plugin compiles for a GPU described by a target config
-(`benchmarks/targets/h100_sxm.txtpb`) over a simulated topology of 8 of them. What comes
-back is the scheduled GPU program, which this benchmark reads (``_hlo.analyze_program``):
-
-  kernels       fusions, custom calls, copies and collectives the step launches
-  HBM           an estimate of memory traffic: each kernel reads its operands and
-                writes its result once
-  copy-only     bytes written by kernels that only move bytes (concatenates, slices,
-                pads, copies)
-  collectives   count, dtype and bytes; "overlapped" counts those with a compute kernel
-                scheduled between their start and their done
-  temp / args   ``compiled.memory_analysis()`` per device
-
-Nothing runs: these are properties of the program, not timings. The variants, all with
-``optax.adamw`` on the same real model (`benchmarks.models`, at the size of its shape
-table) and 8-way data parallelism:
-
-  floor         loss + gradients + an SGD update, no reduction: what every step contains
-  per_leaf      a shard_map step with one ``lax.pmean`` per gradient leaf
-  per_leaf_no_concat    the same, compiled with XLA's all-reduce-contiguous pass off
-                (``compiler_options={"xla_disable_hlo_passes": "all-reduce-contiguous"}``):
-                its merged all-reduces reduce the leaves in place instead of
-                concatenating them into a buffer and slicing the result back out
-  hand_pmean    the same step with ``jpack.pmean(grads)``: what the README writes first
-  hand_pmean_options    that step with ``jpack.step_options(mesh)``: its plan options to
-                ``jpack.pmean`` and its compiler options to the step's ``jax.jit``
-  jit           plain ``jax.jit`` with the batch split by ``NamedSharding``
-  jit_zero1     the same with adamw's state split over the devices by its shardings
-  jit_fsdp      the params split that way too (FSDP by sharding); jit_fsdp_maxtext with
-                the GPU flags of MaxText's FSDP recipes
-  allreduce, packed, sharded    ``jpack.data_parallel`` in that mode
-  packed_bf16_params, sharded_bf16_params    ``precision=jpack.Precision(param_dtype=
-                jnp.bfloat16)`` (f32 masters)
-  packed_acc4, sharded_acc4     ``accumulate=4``
-  sharded_lamb  ZeRO-1 with ``optax.lamb``: its trust ratio computed leaf by leaf on
-                each device's slices (one more small psum)
-  sharded_adafactor    ZeRO-1 with ``optax.adafactor``: its factored moments need whole
-                leaves, so each device owns some, every shard padded to the fullest
-                (args show it)
-  fsdp, fsdp_keep, fsdp_bf16_params    ``mode="fsdp"`` (ZeRO-3), with
-                ``keep_gathered=True``, and with bf16 params and f32 masters
-
-"removed" is the share of per-leaf's kernels (and HBM bytes) above the floor that a
-variant does not have: 100 % is the floor itself, 0 % is per-leaf, below 0 is worse.
-Not given for accumulate=4 (four forward and backward passes), bf16 params (half the
-bytes), lamb or adafactor (other optimizers).
-
-  python -m benchmarks gpu_compile                         # every workload, every variant
-  python -m benchmarks gpu_compile --workloads gpt2_small --variants per_leaf,packed
-  python -m benchmarks gpu_compile --workloads many_small_4000 --update   # added to the JSON
-
-Needs the CUDA plugin (``pip install "jax[cuda12-local]==$(python -c 'import jax;
-print(jax.__version__)')"``, about 180 MB, no NVIDIA libraries) and sets
-``JAX_PLATFORMS=cpu`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` itself.
+(`benchmarks/targets/h100_sxm.txtpb`) over a simulated topology of 8 of them, and this
+reads the scheduled program (``jpack._reference.analyze_program``): kernels launched, an
+estimate of HBM traffic (each kernel reads its operands and writes its result once),
+bytes of copy-only kernels, the collectives (count, dtype, bytes, overlapped with
+compute) and ``compiled.memory_analysis()``'s temp and argument bytes per device. Nothing
+runs. Every variant (`VARIANTS`) runs adamw on the same real model at its real size with
+8-way data parallelism. "removed" is the share of per-leaf's kernels (and HBM bytes)
+above the floor that a variant does not have: 100 % is the floor, 0 % per-leaf. Needs
+the CUDA plugin (``pip install -e '.[gpu-compile]'``, about 180 MB, no NVIDIA libraries).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
+import dataclasses
+import importlib
+import pathlib
+from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import dataclasses  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+import jpack
+from benchmarks import harness as h
+from benchmarks import models
+from benchmarks import step as step_bench
+from benchmarks.step import Variant
+from jpack import _reference
+from jpack._reference import CollectiveOp, Program, analyze_program
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jpack  # noqa: E402
-from benchmarks import _common as c  # noqa: E402
-from benchmarks import models  # noqa: E402
-from benchmarks import step as step_bench  # noqa: E402
-from benchmarks._hlo import CollectiveOp, Program, analyze_program  # noqa: E402
-
-AXIS = "batch"
+TITLE = "Data-parallel steps compiled for 8 H100s (not run)"
+DEVICES = None
+MERGE_KEY = "workload"
+AXIS = h.AXIS
 NUM_GPUS = 8
 TARGET = pathlib.Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"
 LEARNING_RATE = 1e-3
 ROWS_PER_DEVICE = 4  # sequences of 128 tokens, or 224x224 images, per GPU
+MODELS = (*models.FULL_SIZE, *models.LARGE)
+DEFAULTS = dict(models=list(models.FULL_SIZE))
+QUICK = dict(models=["gpt2_small"], variants=["floor", "per_leaf", "allreduce", "packed",
+                                              "sharded"])
 
+
+def _v(label: str, **kw: Any) -> Variant:
+  return Variant(label, optimizer=kw.pop("optimizer", "adamw"), **kw)
+
+
+BF16 = jnp.bfloat16
 VARIANTS = {
-    "floor": "floor: grads + SGD, no reduction",
-    "per_leaf": "per-leaf pmean",
-    "per_leaf_no_concat": "per-leaf pmean, all-reduce-contiguous off",
-    "hand_pmean": "hand-written jpack.pmean step",
-    "hand_pmean_options": "hand-written jpack.pmean step, jpack.step_options",
-    "jit": "jit + NamedSharding",
-    "jit_zero1": "jit, ZeRO-1 by sharding",
-    "allreduce": "jpack allreduce",
-    "packed": "jpack packed (default)",
-    "sharded": "jpack sharded (ZeRO-1)",
-    "packed_bf16_params": "jpack packed, bf16 params",
-    "sharded_bf16_params": "jpack sharded, bf16 params",
-    "packed_acc4": "jpack packed, accumulate=4",
-    "sharded_acc4": "jpack sharded, accumulate=4",
-    "sharded_lamb": "jpack sharded, lamb (trust ratio leaf by leaf)",
-    "sharded_adafactor": "jpack sharded, adafactor (owned leaves)",
-    "jit_fsdp": "jit, FSDP by sharding (params and state split)",
-    "jit_fsdp_maxtext": "jit FSDP, MaxText's GPU flags",
-    "fsdp": "jpack fsdp (ZeRO-3)",
-    "fsdp_keep": "jpack fsdp, keep_gathered",
-    "fsdp_bf16_params": "jpack fsdp, bf16 params",
+    "floor": _v("floor: grads + SGD, no reduction", kind="floor"),
+    "per_leaf": _v("per-leaf pmean", kind="per_leaf"),
+    # XLA's all-reduce-contiguous pass off: its merged all-reduces reduce the leaves in
+    # place instead of concatenating them into a buffer and slicing the result back out.
+    "per_leaf_no_concat": _v("per-leaf pmean, all-reduce-contiguous off", kind="per_leaf"),
+    "hand_pmean": _v("hand-written jpack.pmean step", kind="hand_pmean"),
+    # jpack.step_options: its plan options to jpack.plan, its compiler options to the jit.
+    "hand_pmean_options": _v("hand-written jpack.pmean step, jpack.step_options",
+                             kind="hand_pmean_options"),
+    "jit": _v("jit + NamedSharding", kind="jit"),
+    "jit_zero1": _v("jit, ZeRO-1 by sharding", kind="jit_zero1"),
+    "allreduce": _v("jpack allreduce", mode="allreduce"),
+    "packed": _v("jpack packed (default)", mode="packed"),
+    "sharded": _v("jpack sharded (ZeRO-1)", mode="sharded"),
+    "packed_bf16_params": _v("jpack packed, bf16 params", mode="packed", param_dtype=BF16),
+    "sharded_bf16_params": _v("jpack sharded, bf16 params", mode="sharded", param_dtype=BF16),
+    "packed_acc4": _v("jpack packed, accumulate=4", mode="packed", accumulate=4),
+    "sharded_acc4": _v("jpack sharded, accumulate=4", mode="sharded", accumulate=4),
+    "sharded_lamb": _v("jpack sharded, lamb (trust ratio leaf by leaf)", mode="sharded",
+                       optimizer="lamb"),
+    # adafactor's factored moments need whole leaves: each device owns some.
+    "sharded_adafactor": _v("jpack sharded, adafactor (owned leaves)", mode="sharded",
+                            optimizer="adafactor"),
+    "jit_fsdp": _v("jit, FSDP by sharding (params and state split)", kind="jit_fsdp"),
+    "jit_fsdp_maxtext": _v("jit FSDP, MaxText's GPU flags", kind="jit_fsdp"),
+    "fsdp": _v("jpack fsdp (ZeRO-3)", mode="fsdp"),
+    "fsdp_keep": _v("jpack fsdp, keep_gathered", mode="fsdp", keep_gathered=True),
+    "fsdp_bf16_params": _v("jpack fsdp, bf16 params", mode="fsdp", param_dtype=BF16),
 }
-JPACK = {"allreduce": dict(mode="allreduce"), "packed": dict(mode="packed"),
-         "sharded": dict(mode="sharded"),
-         "packed_bf16_params": dict(mode="packed",
-                                    precision=jpack.Precision(param_dtype=jnp.bfloat16)),
-         "sharded_bf16_params": dict(mode="sharded",
-                                     precision=jpack.Precision(param_dtype=jnp.bfloat16)),
-         "packed_acc4": dict(mode="packed", accumulate=4),
-         "sharded_acc4": dict(mode="sharded", accumulate=4),
-         "sharded_lamb": dict(mode="sharded"), "sharded_adafactor": dict(mode="sharded"),
-         "fsdp": dict(mode="fsdp"),
-         "fsdp_keep": dict(mode=jpack.Mode("fsdp", keep_gathered=True)),
-         "fsdp_bf16_params": dict(mode="fsdp",
-                                  precision=jpack.Precision(param_dtype=jnp.bfloat16))}
-# Every variant runs adamw but these.
-OPTIMIZERS = {"sharded_lamb": lambda: optax.lamb(LEARNING_RATE),
-              "sharded_adafactor": lambda: optax.adafactor(LEARNING_RATE)}
 # Shares of per-leaf's overhead compare steps of the same params, rows and optimizer
 # only: not accumulation (four passes), bf16 params (half the bytes), lamb or adafactor.
-UNCOMPARED = ("packed_acc4", "sharded_acc4", "packed_bf16_params", "sharded_bf16_params",
-              "sharded_lamb", "sharded_adafactor", "fsdp_bf16_params")
+UNCOMPARED = tuple(k for k, v in VARIANTS.items()
+                   if v.accumulate > 1 or v.param_dtype or v.optimizer != "adamw")
+
 # The GPU flags of MaxText's FSDP recipes (latency-hiding scheduler, pipelined all-gather
 # and reduce-scatter, their combine thresholds), for the strongest jit FSDP baseline.
 MAXTEXT_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True,
@@ -172,44 +127,31 @@ def gpu_mesh(n: int = NUM_GPUS) -> jax.sharding.Mesh:
                            axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-def _floor(model: models.Model, mesh) -> step_bench.Step:
+def _floor(model: models.Model, mesh) -> Any:
   """Loss, gradients and an SGD update on each device's own gradients: no reduction."""
 
   def local(params, batch):
-    grads = jax.grad(model.loss)(step_bench._per_device(params), batch)
+    mine = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), params)
+    grads = jax.grad(model.loss)(mine, batch)
     return jax.tree.map(lambda p, g: p - LEARNING_RATE * g.astype(p.dtype), params, grads)
 
   step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
                                check_vma=False), donate_argnums=0)
-  return step_bench.Step(lambda p: jax.device_put(p, NamedSharding(mesh, P())), step,
-                         lambda p: p)
+  return jpack.DataParallel(lambda p: jax.device_put(p, NamedSharding(mesh, P())), step,
+                            lambda p: p, None)
 
 
-def build(key: str, model: models.Model, mesh) -> tuple[Callable, Callable]:
-  """Variant ``key``'s ``(init, step)``: init maps params to the step's state."""
-  tx = OPTIMIZERS.get(key, lambda: optax.adamw(LEARNING_RATE))()
-  if key in JPACK:
-    dp = jpack.data_parallel(model.loss, tx, model.params, mesh, **JPACK[key])
-    return dp.init, dp.step
-  if key == "floor":
-    s = _floor(model, mesh)
-  elif key in ("per_leaf", "per_leaf_no_concat"):
-    s = step_bench._plain_step(model, mesh, optax.stateless(step_bench._per_leaf_pmean), tx)
-  elif key in ("hand_pmean", "hand_pmean_options"):  # the README's first step
-    options = jpack.step_options(mesh)[0] if key == "hand_pmean_options" else {}
-    s = step_bench._plain_step(
-        model, mesh, optax.stateless(
-            lambda g, p=None: jpack.pmean(g, AXIS, layout=jpack.plan(g, **options))), tx)
-  elif key in ("jit", "jit_zero1", "jit_fsdp", "jit_fsdp_maxtext"):
-    # Auto axes: XLA chooses the shardings inside the step, as a plain jit user gets
-    # (under Explicit axes an embedding lookup would need its out_sharding spelled out).
-    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(jax.sharding.AxisType.Auto,))
-    s = step_bench._jit_step(model, auto, zero1=key != "jit", optimizer=tx,
-                             fsdp=key.startswith("jit_fsdp"))
-  else:
-    raise ValueError(f"unknown variant {key!r}")
-  return s.init, s.step
+def build(key: str, model: models.Model, mesh) -> step_bench.Built:
+  """Variant ``key``'s step (`step_bench.build`, and the two steps only this has)."""
+  v = VARIANTS[key]
+  if v.kind == "floor":
+    return step_bench.Built(_floor(model, mesh))
+  if v.kind == "hand_pmean_options":  # the README's step with jpack.step_options
+    layout = jpack.plan(model.params, **jpack.step_options(mesh)[0])
+    return step_bench.Built(_reference.per_leaf_step(
+        model.loss, step_bench.optimizer(v, model.params), model.params, mesh,
+        reduce=lambda g: jpack.pmean(g, AXIS, layout=layout)))
+  return step_bench.build(v, model, mesh)
 
 
 @dataclasses.dataclass
@@ -226,25 +168,23 @@ class Result:
 def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DEVICE
                     ) -> Result:
   """Lower and compile variant ``key``'s step for the mesh, on abstract values."""
-  init, step = build(key, model, mesh)
-  state = jax.eval_shape(init, model.params)
+  built = build(key, model, mesh)
+  state = jax.eval_shape(built.dp.init, model.params)
   # The jit steps place the batch by their own in_shardings (on a mesh of Auto axes).
-  split = None if key.startswith("jit") else NamedSharding(mesh, P(AXIS))
+  split = None if built.jit_mesh else NamedSharding(mesh, P(AXIS))
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split),
                        model.batch_like(rows * mesh.shape[AXIS]))
   # jpack's steps lower with their own jit (and its compiler options); the others'
   # jit is wrapped around them here.
+  step = built.dp.step
   lower = getattr(step, "lower", None) or jax.jit(step, donate_argnums=0).lower
-  t0 = time.perf_counter()
-  lowered = lower(state, batch)
-  t1 = time.perf_counter()
-  compiled = lowered.compile(COMPILER_OPTIONS[key](mesh) if key in COMPILER_OPTIONS
-                             else None)
-  t2 = time.perf_counter()
+  lowered, lower_s = h.timed(lambda: lower(state, batch))
+  compiled, compile_s = h.timed(lambda: lowered.compile(
+      COMPILER_OPTIONS[key](mesh) if key in COMPILER_OPTIONS else None))
   mem = compiled.memory_analysis()
   text = compiled.as_text()
   return Result(key, analyze_program(text), mem.temp_size_in_bytes,
-                mem.argument_size_in_bytes, t1 - t0, t2 - t1, text)
+                mem.argument_size_in_bytes, lower_s, compile_s, text)
 
 
 def removed(value: float, base: float, floor: float) -> float | None:
@@ -279,8 +219,6 @@ def user_model(spec: str) -> models.Model:
   """``--model MODULE:FUNCTION``: ``FUNCTION()`` returns ``(params, loss_fn, batch)``,
   the params (arrays or `jax.ShapeDtypeStruct`s), ``loss_fn(params, batch)`` on one
   device's batch, and one device's batch (arrays or ShapeDtypeStructs, rows first)."""
-  import importlib
-
   module, _, function = spec.partition(":")
   if not function:
     raise SystemExit(f"--model takes MODULE:FUNCTION, got {spec!r}")
@@ -295,7 +233,7 @@ def user_model(spec: str) -> models.Model:
   return models.Model(spec, spec, params, loss, lambda n: None, batch_like)
 
 
-def run_workload(name: str, variants: list[str], report: c.Report,
+def run_workload(name: str, variants: list[str], report: h.Report,
                  model: models.Model | None = None) -> dict[str, Result]:
   model = model or models.full_size(name)
   mesh = gpu_mesh()
@@ -313,7 +251,7 @@ def run_workload(name: str, variants: list[str], report: c.Report,
     except Exception as e:  # noqa: BLE001 (one variant's failure must not lose the rest)
       print(f"  {name}: {key} failed: {type(e).__name__}: {e}", flush=True)
       report.text(f"{name}: {key} failed to compile: {type(e).__name__}: {e}")
-  table = c.Table(["variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
+  table = h.Table(["variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
                    "overlapped", "temp MiB", "args MiB", "removed: kernels / HBM",
                    "lower + compile s"],
                   title=f"{name}: {model.describe}, {model.num_leaves} leaves, "
@@ -352,13 +290,13 @@ def shares(key: str, r: Result, results: dict[str, Result]
   return kr, hr, f"{kr:.0%} / {hr:.0%}"
 
 
-def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> c.Table:
+def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> h.Table:
   """Workload ``name``'s goals per mode (`goals`), met or not; no rows without a floor
   and a per-leaf step to measure against."""
-  g = c.Table(["mode", "goal", "result"], title=f"{name}: goals")
+  g = h.Table(["mode", "goal", "result"], title=f"{name}: goals")
   for mode, checks in goals(results, grad_bytes).items():
     for goal, ok in checks.items():
-      g.add(VARIANTS[mode], goal, c.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
+      g.add(VARIANTS[mode], goal, h.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
   return g
 
 
@@ -370,7 +308,7 @@ def _result(v: dict[str, Any]) -> Result:
                 v["compile_s"])
 
 
-def with_shares(doc: dict[str, Any]) -> dict[str, Any]:
+def finish(doc: dict[str, Any]) -> dict[str, Any]:
   """``doc`` with every row's removed shares and every workload's goals computed again
   from the rows it holds, whichever run compiled them: after ``--update`` merges runs,
   they compare with the floor and per-leaf rows now in the JSON."""
@@ -392,51 +330,12 @@ def with_shares(doc: dict[str, Any]) -> dict[str, Any]:
   return {**doc, "tables": tables}
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks gpu_compile",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workloads", default=",".join(models.FULL_SIZE),
-                      help="comma-separated, from: " + ", ".join(models.FULL_SIZE + models.LARGE))
-  parser.add_argument("--variants", default=",".join(VARIANTS),
-                      help="comma-separated, from: " + ", ".join(VARIANTS))
-  parser.add_argument("--model", metavar="MODULE:FUNCTION",
-                      help="your own model instead of the workloads: FUNCTION() returns "
-                           "(params, loss_fn, one device's batch)")
-  parser.add_argument("--quick", action="store_true",
-                      help="gpt2_small only, the floor, per-leaf and the three modes")
-  c.add_update_arg(parser)
-  c.add_output_args(parser, "gpu_compile")
-  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-  workloads = ["gpt2_small"] if args.quick else args.workloads.split(",")
-  variants = (["floor", "per_leaf", "allreduce", "packed", "sharded"] if args.quick
-              else args.variants.split(","))
-  for v in variants:
-    if v not in VARIANTS:
-      parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
-  c.check_workload_names(workloads, "--workloads", models.LARGE)
-  report = c.Report("Data-parallel steps compiled for 8 H100s (not run)", "gpu_compile",
-                    sys.argv[1:] if argv is None else argv)
-  report.parts.append(c.banner("gpu_compile", [f"target: {TARGET.name}, 8 devices, "
-                                               f"{ROWS_PER_DEVICE} rows per device, adamw"]))
-  if args.model:
-    run_workload(args.model, variants, report, user_model(args.model))
-    report.write(args)
-  earlier = c.earlier_results(args)
-  for name in [] if args.model else workloads:
+def run(opts: Any, report: h.Report) -> None:
+  variants = opts.variants or list(VARIANTS)
+  report.text(f"target: {TARGET.name}, 8 devices, {ROWS_PER_DEVICE} rows per device, adamw")
+  if opts.model:
+    run_workload(opts.model, variants, report, user_model(opts.model))
+    return
+  for name in opts.models:
     run_workload(name, variants, report)
-    # After every workload: a long run keeps what it has.
-    report.write_markdown(args.markdown)
-    doc = report.json() if earlier is None else merged(earlier, report.json())
-    report.write_json(args.json, with_shares(doc))
-  return 0
-
-
-def merged(earlier: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-  """``now``'s JSON with ``earlier``'s results kept where ``now`` has none (`c.merged`),
-  variants in the order of `VARIANTS`, workloads in that of `models.FULL_SIZE`."""
-  return c.merged(earlier, now, "workload", list(VARIANTS),
-                  list(models.FULL_SIZE) + list(models.LARGE))
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
+    opts.save()  # after every workload: a long run keeps what it has

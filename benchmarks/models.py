@@ -115,6 +115,39 @@ def _cross_entropy(logits, targets):
                   - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])
 
 
+def _pre_ln_shapes(p: str, width: int, names: tuple[str, str, str, str]) -> dict:
+  """A pre-LN transformer block's params (GPT-2's and ViT's), under prefix ``p``; its
+  four dense layers named ``names`` (attention in, attention out, MLP in, MLP out)."""
+  qkv, proj, fc_in, fc_out = names
+  f32 = np.float32
+  return {p + "ln_1/g": ((width,), f32, "ones"), p + "ln_1/b": ((width,), f32, "zeros"),
+          p + f"attn/{qkv}/w": ((width, 3 * width), f32, "normal"),
+          p + f"attn/{qkv}/b": ((3 * width,), f32, "zeros"),
+          p + f"attn/{proj}/w": ((width, width), f32, "normal"),
+          p + f"attn/{proj}/b": ((width,), f32, "zeros"),
+          p + "ln_2/g": ((width,), f32, "ones"), p + "ln_2/b": ((width,), f32, "zeros"),
+          p + f"mlp/{fc_in}/w": ((width, 4 * width), f32, "normal"),
+          p + f"mlp/{fc_in}/b": ((4 * width,), f32, "zeros"),
+          p + f"mlp/{fc_out}/w": ((4 * width, width), f32, "normal"),
+          p + f"mlp/{fc_out}/b": ((width,), f32, "zeros")}
+
+
+def _pre_ln_block(blk: dict, h: Any, names: tuple[str, str, str, str], heads: int,
+                  causal: bool) -> Any:
+  """``h`` through a pre-LN block of `_pre_ln_shapes`' params."""
+  qkv, proj, fc_in, fc_out = names
+  a = _layer_norm(h, blk["ln_1"]["g"], blk["ln_1"]["b"])
+  q, k, v = jnp.split(a @ blk["attn"][qkv]["w"] + blk["attn"][qkv]["b"], 3, -1)
+  h = h + _attention(q, k, v, heads, causal) @ blk["attn"][proj]["w"] + blk["attn"][proj]["b"]
+  m = _layer_norm(h, blk["ln_2"]["g"], blk["ln_2"]["b"])
+  m = jax.nn.gelu(m @ blk["mlp"][fc_in]["w"] + blk["mlp"][fc_in]["b"])
+  return h + m @ blk["mlp"][fc_out]["w"] + blk["mlp"][fc_out]["b"]
+
+
+GPT2_NAMES = ("c_attn", "c_proj", "c_fc", "c_proj")
+VIT_NAMES = ("qkv", "proj", "fc1", "fc2")
+
+
 # -- GPT-2 -----------------------------------------------------------------------------
 
 
@@ -125,33 +158,14 @@ def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int 
   s: dict = {"wte": ((vocab, width), np.float32, "normal"),
              "wpe": ((positions, width), np.float32, "normal")}
   for i in range(layers):
-    p = f"h{i}/"
-    s.update({p + "ln_1/g": ((width,), np.float32, "ones"),
-              p + "ln_1/b": ((width,), np.float32, "zeros"),
-              p + "attn/c_attn/w": ((width, 3 * width), np.float32, "normal"),
-              p + "attn/c_attn/b": ((3 * width,), np.float32, "zeros"),
-              p + "attn/c_proj/w": ((width, width), np.float32, "normal"),
-              p + "attn/c_proj/b": ((width,), np.float32, "zeros"),
-              p + "ln_2/g": ((width,), np.float32, "ones"),
-              p + "ln_2/b": ((width,), np.float32, "zeros"),
-              p + "mlp/c_fc/w": ((width, 4 * width), np.float32, "normal"),
-              p + "mlp/c_fc/b": ((4 * width,), np.float32, "zeros"),
-              p + "mlp/c_proj/w": ((4 * width, width), np.float32, "normal"),
-              p + "mlp/c_proj/b": ((width,), np.float32, "zeros")})
+    s.update(_pre_ln_shapes(f"h{i}/", width, GPT2_NAMES))
   s.update({"ln_f/g": ((width,), np.float32, "ones"), "ln_f/b": ((width,), np.float32, "zeros")})
 
   def loss(params, tokens):
     x, y = tokens[:, :-1], tokens[:, 1:]
     h = params["wte"][x] + params["wpe"][: x.shape[1]]
     for i in range(layers):
-      blk = params[f"h{i}"]
-      a = _layer_norm(h, blk["ln_1"]["g"], blk["ln_1"]["b"])
-      q, k, v = jnp.split(a @ blk["attn"]["c_attn"]["w"] + blk["attn"]["c_attn"]["b"], 3, -1)
-      h = h + _attention(q, k, v, heads, True) @ blk["attn"]["c_proj"]["w"] \
-          + blk["attn"]["c_proj"]["b"]
-      m = _layer_norm(h, blk["ln_2"]["g"], blk["ln_2"]["b"])
-      m = jax.nn.gelu(m @ blk["mlp"]["c_fc"]["w"] + blk["mlp"]["c_fc"]["b"])
-      h = h + m @ blk["mlp"]["c_proj"]["w"] + blk["mlp"]["c_proj"]["b"]
+      h = _pre_ln_block(params[f"h{i}"], h, GPT2_NAMES, heads, True)
     h = _layer_norm(h, params["ln_f"]["g"], params["ln_f"]["b"])
     return _cross_entropy(h @ params["wte"].T, y)
 
@@ -261,17 +275,7 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
              "cls_token": ((1, width), f32, "zeros"),
              "pos_embed": ((tokens, width), f32, "normal")}
   for i in range(layers):
-    p = f"block{i}/"
-    s.update({p + "ln_1/g": ((width,), f32, "ones"), p + "ln_1/b": ((width,), f32, "zeros"),
-              p + "attn/qkv/w": ((width, 3 * width), f32, "normal"),
-              p + "attn/qkv/b": ((3 * width,), f32, "zeros"),
-              p + "attn/proj/w": ((width, width), f32, "normal"),
-              p + "attn/proj/b": ((width,), f32, "zeros"),
-              p + "ln_2/g": ((width,), f32, "ones"), p + "ln_2/b": ((width,), f32, "zeros"),
-              p + "mlp/fc1/w": ((width, 4 * width), f32, "normal"),
-              p + "mlp/fc1/b": ((4 * width,), f32, "zeros"),
-              p + "mlp/fc2/w": ((4 * width, width), f32, "normal"),
-              p + "mlp/fc2/b": ((width,), f32, "zeros")})
+    s.update(_pre_ln_shapes(f"block{i}/", width, VIT_NAMES))
   s.update({"ln_f/g": ((width,), f32, "ones"), "ln_f/b": ((width,), f32, "zeros"),
             "head/w": ((width, classes), f32, "normal"), "head/b": ((classes,), f32, "zeros")})
 
@@ -283,14 +287,7 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
     cls = jnp.broadcast_to(params["cls_token"], (x.shape[0], 1, width))
     h = jnp.concatenate([cls, x], 1) + params["pos_embed"]
     for i in range(layers):
-      blk = params[f"block{i}"]
-      a = _layer_norm(h, blk["ln_1"]["g"], blk["ln_1"]["b"])
-      q, k, v = jnp.split(a @ blk["attn"]["qkv"]["w"] + blk["attn"]["qkv"]["b"], 3, -1)
-      h = h + _attention(q, k, v, heads, False) @ blk["attn"]["proj"]["w"] \
-          + blk["attn"]["proj"]["b"]
-      m = _layer_norm(h, blk["ln_2"]["g"], blk["ln_2"]["b"])
-      m = jax.nn.gelu(m @ blk["mlp"]["fc1"]["w"] + blk["mlp"]["fc1"]["b"])
-      h = h + m @ blk["mlp"]["fc2"]["w"] + blk["mlp"]["fc2"]["b"]
+      h = _pre_ln_block(params[f"block{i}"], h, VIT_NAMES, heads, False)
     h = _layer_norm(h[:, 0], params["ln_f"]["g"], params["ln_f"]["b"])
     return _cross_entropy(h @ params["head"]["w"] + params["head"]["b"], labels)
 
@@ -472,8 +469,8 @@ def full_size(name: str, *, abstract: bool = True) -> Model:
     return gpt2(layers=24 if name == "gpt_1p3b" else 12, width=2048, vocab=50257,
                 positions=1024, heads=16, seq=1024, abstract=abstract, name=name)
   if name == "many_small_4000":
-    from benchmarks import _common as c
-    doc = c.load_workload_doc(name)
+    from benchmarks import harness
+    doc = harness.load_workload_doc(name)
     return many_small([int(np.prod(l["shape"])) for l in doc["leaves"]], abstract=abstract)
   raise ValueError(f"no model for workload {name!r}")
 

@@ -1,36 +1,18 @@
 """One adam update on one device: jpack on packed buckets, per-leaf optax, PyTorch.
 
 Per workload (its parameter shapes, random values), on the default device (a GPU where
-there is one), the same update of the same parameters by:
-
-  per-leaf   ``optax.adam`` on the tree + ``optax.apply_updates``, jitted, params and
-             state donated: one small kernel (or fusion) per leaf
-  jpack      ``jpack.optax.flat(optax.adam)`` on params and gradients that are already
-             a `jpack.Packed`, as in ``jpack.data_parallel(mode="packed")``: the update
-             runs on a few flat buckets and returns a Packed; also jitted and donated
-  torch      ``torch.optim.Adam(fused=True)`` on CUDA tensors of the same shapes, timed
-             with ``torch.cuda.synchronize()``; on a machine without CUDA the
-             ``foreach=True`` Adam on CPU tensors instead, labelled as such; "n/a"
-             without torch
-
-Every time is the wall time of one call, dispatch included, as a training loop that
-calls the update pays it: the median over several rounds after a warm-up, the variants
-interleaved round by round (`benchmarks._common.time_interleaved`), each call followed
-by `jax.block_until_ready`. Speed-ups are the median of per-round ratios. The largest
-parameter difference from per-leaf after the first update checks that all compute the
-same adam.
-
-    python -m benchmarks optimizer                          # the four default workloads
-    python -m benchmarks optimizer --scale 0.01 --runs 3    # tiny leaves: a CPU smoke run
-    python -m benchmarks optimizer --workloads many_small_4000 --bucket-bytes 26214400
+there is one), the same update of the same parameters by ``optax.adam`` on the tree,
+jitted and donated (per-leaf); by ``jpack.optax.flat(optax.adam)`` on params and
+gradients already packed, as in ``data_parallel(mode="packed")`` (jpack); and by
+``torch.optim.Adam(fused=True)`` on CUDA tensors (on a machine without CUDA the
+``foreach=True`` Adam on CPU tensors, labelled so; "n/a" without torch). Each time is one
+call's wall time, dispatch included, the median of interleaved rounds; speed-ups are
+medians of per-round ratios; max |Δp| checks that all compute the same adam.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import sys
 from typing import Any
 
 import jax
@@ -39,26 +21,24 @@ import numpy as np
 import optax
 
 import jpack
-from benchmarks import _common as c
+from benchmarks import harness as h
 
+TITLE = "jpack optimizer update benchmark"
+DEVICES = None
+MERGE_KEY = "workload"
 LEARNING_RATE = 1e-3
-DEFAULT_WORKLOADS = ("gpt2_small", "bert_base", "resnet50", "many_small_4000")
-DEFAULT_RUNS = 10
+MODELS = h.workload_names()
+VARIANTS = ("per_leaf", "jpack", "torch")
 # XLA:CPU takes minutes to compile per-leaf adam over 4000 leaves: a quick run skips it.
-QUICK_WORKLOADS = ("gpt2_small", "bert_base", "resnet50")
-QUICK_SCALE = 0.05
-QUICK_RUNS = 3
+DEFAULTS = dict(rounds=10, scale=1.0,
+                models=["gpt2_small", "bert_base", "resnet50", "many_small_4000"])
+QUICK = dict(rounds=3, scale=0.05, models=["gpt2_small", "bert_base", "resnet50"])
 # Goals on jpack's update time: below per-leaf optax's, at most torch's fused Adam's.
 GOAL_VS_PER_LEAF = 1.0
 GOAL_VS_TORCH = 1.0
 
-VARIANTS = ("per_leaf", "jpack", "torch")
 
-
-# -- workloads -------------------------------------------------------------------------
-
-
-def scaled(w: c.Workload, scale: float) -> c.Workload:
+def scaled(w: h.Workload, scale: float) -> h.Workload:
   """``w`` with every leaf's largest dimension times ``scale`` (at least 1): the same
   leaves and ranks, about ``scale`` times the elements."""
   if scale == 1:
@@ -70,10 +50,10 @@ def scaled(w: c.Workload, scale: float) -> c.Workload:
       i = int(np.argmax(shape))
       shape[i] = max(1, round(shape[i] * scale))
     shapes[path] = jax.ShapeDtypeStruct(tuple(shape), s.dtype)
-  return c.Workload(w.name, shapes, w.full_leaves, w.full_elements)
+  return h.Workload(w.name, shapes, w.full_leaves, w.full_elements)
 
 
-def _check_floating(w: c.Workload) -> None:
+def _check_floating(w: h.Workload) -> None:
   bad = [p for p, s in w.shapes.items() if not jnp.issubdtype(s.dtype, jnp.floating)]
   if bad:
     raise SystemExit(f"Workload {w.name!r} has non-floating leaves ({', '.join(bad[:3])}"
@@ -95,7 +75,7 @@ class _Update:
 
     self.grads, self.params = grads, params
     self.state = jax.block_until_ready(tx.init(params))
-    self.compiled = c.compile_fn(jax.jit(update, donate_argnums=(1, 2)), grads, self.state,
+    self.compiled = h.compile_fn(jax.jit(update, donate_argnums=(1, 2)), grads, self.state,
                                  params)
 
   def __call__(self) -> Any:
@@ -155,9 +135,9 @@ def _import_torch() -> Any:
 
 @dataclasses.dataclass
 class Result:
-  workload: c.Workload
+  workload: h.Workload
   buckets: int
-  timings: dict[str, c.Timing]
+  timings: dict[str, h.Timing]
   compile_s: dict[str, float]
   torch_label: str
   max_diff: dict[str, float]
@@ -167,13 +147,8 @@ def _host(tree: Any) -> dict[str, np.ndarray]:
   return {k: np.asarray(v, np.float64) for k, v in tree.items()}
 
 
-def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-  return max((float(np.max(np.abs(a[k] - np.asarray(b[k], np.float64)))) for k in a
-              if a[k].size), default=0.0)
-
-
 def _max_diff_packed(a: dict[str, np.ndarray], packed: jpack.Packed) -> float:
-  """`_max_diff` against each leaf's slice of the buckets, read on the host: unpacking
+  """`h.max_diff` against each leaf's slice of the buckets, read on the host: unpacking
   on the device would compile a program with an output per leaf just for this check."""
   buckets = [np.asarray(b, np.float64) for b in packed.buckets]
   slots = packed.layout.slots  # in the order of the tree's leaves
@@ -182,12 +157,13 @@ def _max_diff_packed(a: dict[str, np.ndarray], packed: jpack.Packed) -> float:
               for s, x in zip(slots, jax.tree.leaves(a)) if s.size), default=0.0)
 
 
-def bench_workload(w: c.Workload, torch: Any, *, runs: int, plan_options: dict) -> Result:
+def bench_workload(w: h.Workload, torch: Any, *, runs: int,
+                   bucket_bytes: int | None) -> Result:
   """Build every variant from the same values, check their first update, time them."""
   print(f"\n{w.describe()}", flush=True)
-  params = c.random_tree(w.shapes, seed=0)
-  grads = c.random_tree(w.shapes, seed=1)
-  layout = jpack.plan(params, **plan_options)
+  params = h.random_tree(w.shapes, seed=0)
+  grads = h.random_tree(w.shapes, seed=1)
+  layout = jpack.plan(params, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
   print(f"  {len(layout.buckets)} buckets", flush=True)
   # jpack's inputs are packed first: the per-leaf update donates ``params``.
   calls: dict[str, Any] = {"jpack": _Update(jpack.optax.flat(optax.adam(LEARNING_RATE)),
@@ -200,21 +176,20 @@ def bench_workload(w: c.Workload, torch: Any, *, runs: int, plan_options: dict) 
   calls["per_leaf"] = _Update(optax.adam(LEARNING_RATE), grads, params)
   del params, grads
   compile_s = {k: calls[k].compiled.total_s for k in ("per_leaf", "jpack")}
-  print("  compile: " + ", ".join(f"{k} {c.fmt_s(s)} s" for k, s in compile_s.items()),
+  print("  compile: " + ", ".join(f"{k} {h.fmt_s(s)} s" for k, s in compile_s.items()),
         flush=True)
 
   reference = _host(jax.block_until_ready(calls["per_leaf"]()))
   max_diff = {"jpack": _max_diff_packed(reference, calls["jpack"]())}
   if torch_adam is not None:
     torch_adam()
-    max_diff["torch"] = _max_diff(reference, torch_adam.params())
+    max_diff["torch"] = h.max_diff(reference, torch_adam.params())
     calls["torch"] = torch_adam
   del reference
-  c.release_host_memory()
+  h.release_host_memory()
 
-  ordered = {k: (calls[k], ()) for k in VARIANTS if k in calls}
-  timings = c.time_interleaved(ordered, runs=runs)
-  print("  " + ", ".join(f"{k} {c.fmt_ms(t.median_s)} ms" for k, t in timings.items()),
+  timings = h.time_rounds({k: calls[k] for k in VARIANTS if k in calls}, runs)
+  print("  " + ", ".join(f"{k} {h.fmt_ms(t.median_s)} ms" for k, t in timings.items()),
         flush=True)
   return Result(w, len(layout.buckets), timings, compile_s,
                 torch_adam.label if torch_adam else "n/a", max_diff)
@@ -223,29 +198,29 @@ def bench_workload(w: c.Workload, torch: Any, *, runs: int, plan_options: dict) 
 # -- reporting -------------------------------------------------------------------------
 
 
-def _speedup(timings: dict[str, c.Timing], base: str) -> float | None:
+def _speedup(timings: dict[str, h.Timing], base: str) -> float | None:
   """``base``'s time / jpack's, the median of per-round ratios."""
   if base not in timings:
     return None
-  return 1 / c.paired_ratio(timings["jpack"], timings[base])
+  return 1 / timings["jpack"].over(timings[base])
 
 
-def _tables(results: list[Result]) -> tuple[c.Table, c.Table]:
+def _tables(results: list[Result]) -> tuple[h.Table, h.Table]:
   """The times of every workload, and the goals they are held to."""
-  times = c.Table(["workload", "leaves", "M params", "buckets", "per-leaf ms", "jpack ms",
+  times = h.Table(["workload", "leaves", "M params", "buckets", "per-leaf ms", "jpack ms",
                    "torch ms", "torch Adam", "speed-up vs per-leaf", "speed-up vs torch",
                    "max |Δp| jpack", "max |Δp| torch"],
                   title=f"One adam update on one {jax.devices()[0].platform} device")
-  goals = c.Table(["goal", "workload", "value", "limit", "result"], title="Goals")
+  goals = h.Table(["goal", "workload", "value", "limit", "result"], title="Goals")
   for r in results:
     w, t = r.workload, r.timings
     vs_leaf, vs_torch = _speedup(t, "per_leaf"), _speedup(t, "torch")
     torch_s = t["torch"].median_s if "torch" in t else None
     diff_torch = r.max_diff.get("torch")
     times.add(w.name, w.num_leaves, f"{w.num_elements / 1e6:.3g}", r.buckets,
-              c.fmt_ms(t["per_leaf"].median_s), c.fmt_ms(t["jpack"].median_s),
-              "n/a" if torch_s is None else c.fmt_ms(torch_s), r.torch_label,
-              c.fmt_ratio(vs_leaf), "n/a" if vs_torch is None else c.fmt_ratio(vs_torch),
+              h.fmt_ms(t["per_leaf"].median_s), h.fmt_ms(t["jpack"].median_s),
+              "n/a" if torch_s is None else h.fmt_ms(torch_s), r.torch_label,
+              h.fmt_ratio(vs_leaf), "n/a" if vs_torch is None else h.fmt_ratio(vs_torch),
               f"{r.max_diff['jpack']:.1e}", "-" if diff_torch is None else f"{diff_torch:.1e}",
               workload=w.name, leaves=w.num_leaves, params=w.num_elements, bytes=w.nbytes,
               buckets=r.buckets, per_leaf_s=t["per_leaf"].median_s,
@@ -258,8 +233,8 @@ def _tables(results: list[Result]) -> tuple[c.Table, c.Table]:
     def goal(text, ratio, bound, strict, comparable=True):
       ok = None if ratio is None or not comparable else (
           ratio < bound if strict else ratio <= bound)
-      goals.add(text, w.name, "-" if ratio is None else c.fmt_ratio(ratio),
-                f"{'<' if strict else '<='} {bound:.2f}x", c.verdict(ok),
+      goals.add(text, w.name, "-" if ratio is None else h.fmt_ratio(ratio),
+                f"{'<' if strict else '<='} {bound:.2f}x", h.verdict(ok),
                 workload=w.name, value=ratio, limit=bound, ok=ok)
 
     goal("jpack time / per-leaf optax time", None if vs_leaf is None else 1 / vs_leaf,
@@ -270,89 +245,20 @@ def _tables(results: list[Result]) -> tuple[c.Table, c.Table]:
   return times, goals
 
 
-def _report(argv: list[str], results: list[Result], scale: float) -> c.Report:
-  report = c.Report("jpack optimizer update benchmark", "optimizer", argv)
-  # Straight into ``parts``: `c.Report.table` would print every table each time.
-  report.parts.extend(_tables(results))
-  report.parts.append(
-      "Times: one update's wall time, dispatch included; median of interleaved rounds. "
-      "speed-up = the other's time / jpack's (median of per-round ratios). max |Δp|: "
-      "largest parameter difference from per-leaf after one update."
-      + (f" Leaves scaled by {scale:g}." if scale != 1 else ""))
-  return report
-
-
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks optimizer", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--workloads", default="",
-                      help=f"comma-separated workload names (default: "
-                           f"{','.join(DEFAULT_WORKLOADS)})")
-  parser.add_argument("--runs", type=c.positive_int, default=None,
-                      help=f"timed rounds (median; default {DEFAULT_RUNS})")
-  parser.add_argument("--scale", type=_scale, default=None,
-                      help="multiply every leaf's largest dimension by this (0 < F <= 1), "
-                           "for quick runs on a CPU (default 1)")
-  parser.add_argument("--quick", action="store_true",
-                      help=f"--scale {QUICK_SCALE} --runs {QUICK_RUNS} unless given, and "
-                           f"by default only {','.join(QUICK_WORKLOADS)}")
-  parser.add_argument("--bucket-bytes", type=c.positive_int, default=None,
-                      help="jpack.plan bucket_bytes (default: jpack's)")
-  parser.add_argument("--solo-bytes", type=int, default=None,
-                      help="jpack.plan solo_bytes (default: jpack's; 0 = None)")
-  c.add_output_args(parser, "optimizer")
-  return parser
-
-
-def _scale(text: str) -> float:
-  """argparse type: a float in (0, 1]."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-  if not 0 < value <= 1:
-    raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-  return value
-
-
-def main(argv: list[str] | None = None) -> int:
-  # JAX takes most of a GPU's memory when its backend starts; torch shares the GPU here.
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  argv = sys.argv[1:] if argv is None else list(argv)
-  parser = _parser()
-  args = parser.parse_args(argv)
-  if args.solo_bytes is not None and args.solo_bytes < 0:
-    parser.error(f"--solo-bytes must be >= 0 (0 = no solo buckets), got {args.solo_bytes}")
-  names = [n for n in args.workloads.split(",") if n] or list(
-      QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
-  c.check_workload_names(names, "--workloads")
-  scale = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
-  runs = args.runs or (QUICK_RUNS if args.quick else DEFAULT_RUNS)
-  plan_options = {}
-  if args.bucket_bytes is not None:
-    plan_options["bucket_bytes"] = args.bucket_bytes
-  if args.solo_bytes is not None:
-    plan_options["solo_bytes"] = args.solo_bytes or None
-
-  c.banner("benchmarks.optimizer", [
-      f"workloads: {', '.join(names)}; scale {scale:g}; {runs} rounds (median, after 1 "
-      f"warm-up); optax.adam({LEARNING_RATE:g}); plan options {plan_options or 'default'}"])
+def run(opts: Any, report: h.Report) -> None:
   torch = _import_torch()  # after JAX's backend started: see _import_torch
   results = []
-  for name in names:
-    w = scaled(c.load_workload(name), scale)
+  for name in opts.models:
+    w = scaled(h.load_workload(name), opts.scale)
     _check_floating(w)
-    results.append(bench_workload(w, torch, runs=runs, plan_options=plan_options))
-    c.release_host_memory()
-    # Written after every workload: a run stopped by a time limit keeps what it measured.
-    _report(argv, results, scale).write_json(args.json)
-  report = _report(argv, results, scale)
+    results.append(bench_workload(w, torch, runs=opts.rounds, bucket_bytes=opts.bucket_bytes))
+    h.release_host_memory()
+    report.parts[:] = [*_tables(results), "Times: one update's wall time, dispatch included; "
+                       "median of interleaved rounds. speed-up = the other's time / jpack's "
+                       "(median of per-round ratios). max |Δp|: largest parameter difference "
+                       "from per-leaf after one update."
+                       + (f" Leaves scaled by {opts.scale:g}." if opts.scale != 1 else "")]
+    opts.save()  # after every workload: a run stopped by a time limit keeps it
   for part in report.parts:
-    print("\n" + (part.text() if isinstance(part, c.Table) else part), flush=True)
+    print("\n" + (part.text() if isinstance(part, h.Table) else part), flush=True)
   print("\n" + report.parts[0].markdown(), flush=True)
-  report.write_markdown(args.markdown)
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

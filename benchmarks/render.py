@@ -1,7 +1,7 @@
 """Fill the figures in README.md and docs/*.md from the benchmarks' JSON results.
 
-    python -m benchmarks.render            # rewrite every marked block in place
-    python -m benchmarks.render --check    # exit 1, naming the files, if a block is stale
+    python -m benchmarks render            # rewrite every marked block in place
+    python -m benchmarks render --check    # exit 1, naming the files, if a block is stale
 
 A marked block is
 
@@ -22,7 +22,6 @@ This module imports neither JAX nor jpack: it only reads JSON and writes text.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import re
@@ -580,30 +579,19 @@ def stale(root: pathlib.Path = ROOT, results_dir: pathlib.Path = RESULTS_DIR
   return [p for p in pages(root) if render_text(p.read_text(), results) != p.read_text()]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.render",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--check", action="store_true",
-                      help="change nothing; exit 1 if a page is out of date")
-  parser.add_argument("--results", type=pathlib.Path, default=RESULTS_DIR,
-                      help="the folder of the benchmarks' JSON files (default: %(default)s)")
-  args = parser.parse_args(argv)
-  results = load_results(args.results)
+def main(check: bool = False) -> int:
+  """Rewrite every marked block (``check``: change nothing, exit 1 if one is stale)."""
+  results = load_results()
   changed = []
   for page in pages():
     text = page.read_text()
     new = render_text(text, results)
     if new != text:
       changed.append(page.relative_to(ROOT))
-      if not args.check:
+      if not check:
         page.write_text(new)
-  verb = "out of date" if args.check else "updated"
   for page in changed:
-    print(f"{verb}: {page}")
+    print(f"{'out of date' if check else 'updated'}: {page}")
   if not changed:
     print("figures up to date")
-  return 1 if args.check and changed else 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
+  return 1 if check and changed else 0

@@ -12,11 +12,13 @@ import json
 import math
 import os
 import pathlib
-import re
 import statistics
 import sys
 import time
 from typing import Any, Sequence
+
+from jpack import _reference
+from jpack._reference import human_bytes
 
 DEMO_MODES = ("per_leaf", "jit", "allreduce", "sharded")  # the default comparison
 ALL_MODES = ("per_leaf", "jit", "allreduce", "packed", "sharded")
@@ -32,11 +34,6 @@ MASTER_MODES = ("packed", "sharded")
 # jpack.data_parallel's.
 BASELINE = "per_leaf"
 PLAIN_MODES = (BASELINE, "jit")
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
-# A collective op in compiled HLO text and its operands, e.g.
-# "... all-reduce(%param.8, %param.9), channel_id=1, ...": several collectives merged
-# into one op on a tuple list every array they move as an operand.
-_COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(([^)]*)\)")
 
 
 @dataclasses.dataclass
@@ -176,16 +173,6 @@ def loss_fn(params: dict, batch) -> Any:
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def loss_in(loss_fn, param_dtype: Any = None):
-  """``loss_fn`` on the params cast to ``param_dtype`` (float32 params stay the masters:
-  their gradients come back float32 through the cast)."""
-  if param_dtype is None:
-    return loss_fn
-  import jpack
-
-  return lambda params, batch: loss_fn(jpack.cast_params(params, param_dtype), batch)
-
-
 def params_kept_as(mode: str, param_dtype: Any = None) -> str:
   """How ``mode`` keeps the params: in ``param_dtype`` with float32 masters, or float32
   (cast for the loss when ``param_dtype`` is set)."""
@@ -195,148 +182,6 @@ def params_kept_as(mode: str, param_dtype: Any = None) -> str:
     return "float32"
   name = np.dtype(param_dtype).name
   return f"{name} + f32 master" if mode in MASTER_MODES else f"float32, {name} in loss"
-
-
-# -- the baseline ----------------------------------------------------------------------
-
-
-def _multi_steps(optimizer, accumulate: int) -> Any:
-  """``optimizer`` applied every ``accumulate`` calls to the mean of their gradients
-  (``optax.MultiSteps``), or ``optimizer`` itself."""
-  import optax
-
-  if accumulate == 1:
-    return optimizer
-  return optax.MultiSteps(optimizer, every_k_schedule=accumulate).gradient_transformation()
-
-
-def _micro_batches(batch, accumulate: int):
-  """Every leaf's rows as ``accumulate`` consecutive micro-batches (a new leading axis):
-  under shard_map this device's rows, split as ``data_parallel(accumulate=)`` splits
-  them."""
-  import jax
-
-  return jax.tree.map(lambda x: x.reshape((accumulate, -1) + x.shape[1:]), batch)
-
-
-def per_leaf_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = None,
-                  accumulate: int = 1) -> Any:
-  """The usual data-parallel step without jpack: a ``lax.pmean`` per gradient leaf.
-
-  With ``param_dtype`` the loss sees the params cast to it; with ``accumulate`` > 1 the
-  step runs the usual accumulation, ``optax.MultiSteps``, over that many micro-batches
-  of each device's rows (`jax.lax.scan`), all-reducing every micro-batch's gradients.
-
-  Returns a `jpack.DataParallel` like ``jpack.data_parallel`` does, over the mesh's
-  first axis. Its ``layout``, planned as data_parallel plans it (`jpack.step_options`),
-  is only reported: the step never packs.
-  """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import jpack
-
-  axis = mesh.axis_names[0]
-  loss_fn = loss_in(loss_fn, param_dtype)
-  optimizer = _multi_steps(optimizer, accumulate)
-
-  def update(carry, batch):
-    params, opt_state = carry
-    # Differentiate w.r.t. this device's copy of the params: shard_map's autodiff would
-    # otherwise all-reduce each gradient leaf by itself, before the pmean below.
-    mine = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), params)
-    loss, grads = jax.value_and_grad(loss_fn)(mine, batch)
-    grads = jax.tree.map(lambda g: jax.lax.pmean(g, axis), grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return ((optax.apply_updates(params, updates), opt_state),
-            (jax.lax.pmean(loss, axis), optax.tree.norm(grads)))
-
-  def local_step(state, batch):
-    carry = (state.params, state.opt_state)
-    if accumulate == 1:
-      (params, opt_state), (loss, norm) = update(carry, batch)
-    else:  # MultiSteps applies the optimizer on the last micro-batch
-      (params, opt_state), (losses, norms) = jax.lax.scan(
-          update, carry, _micro_batches(batch, accumulate))
-      loss, norm = losses.mean(), norms[-1]
-    new = jpack.TrainState(params, opt_state, state.step + 1)
-    return new, {"loss": loss, "grad_norm": norm}
-
-  def local_init(p):
-    return jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32))
-
-  init = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P()))
-  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(axis)),
-                               out_specs=(P(), P())), donate_argnums=0)
-  replicated = NamedSharding(mesh, P())
-  return jpack.DataParallel(lambda p: init(jax.device_put(p, replicated)), step,
-                            lambda state: state.params, _reported_layout(params, mesh))
-
-
-def jit_step(loss_fn, optimizer, params: dict, mesh, *, param_dtype: Any = None,
-             accumulate: int = 1) -> Any:
-  """Data parallelism as plain ``jax.jit`` gives it: a step over global arrays, params
-  replicated and the batch split over the mesh's first axis by their shardings. XLA
-  partitions the step and inserts the gradient all-reduces itself. ``param_dtype`` and
-  ``accumulate`` (``optax.MultiSteps``) as in `per_leaf_step`.
-
-  Returns a `jpack.DataParallel` like `per_leaf_step`; its ``layout`` is only reported.
-  """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import jpack
-
-  axis = mesh.axis_names[0]
-  replicated = NamedSharding(mesh, P())
-  n = mesh.shape[axis]
-  loss_fn = loss_in(loss_fn, param_dtype)
-  optimizer = _multi_steps(optimizer, accumulate)
-
-  def update(carry, batch):
-    params, opt_state = carry
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), (loss, optax.tree.norm(grads))
-
-  def micro_batches(batch):
-    # Micro-batch j: the j-th of each device's row blocks, so no row changes device.
-    def split(x):
-      x = x.reshape((n, accumulate, -1) + x.shape[1:])
-      return jnp.moveaxis(x, 1, 0).reshape((accumulate, -1) + x.shape[3:])
-    return jax.tree.map(split, batch)
-
-  def global_step(state, batch):
-    carry = (state.params, state.opt_state)
-    if accumulate == 1:
-      (params, opt_state), (loss, norm) = update(carry, batch)
-    else:
-      (params, opt_state), (losses, norms) = jax.lax.scan(update, carry,
-                                                          micro_batches(batch))
-      loss, norm = losses.mean(), norms[-1]
-    new = jpack.TrainState(params, opt_state, state.step + 1)
-    return new, {"loss": loss, "grad_norm": norm}
-
-  init = jax.jit(lambda p: jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)),
-                 out_shardings=replicated)
-  step = jax.jit(global_step, in_shardings=(replicated, NamedSharding(mesh, P(axis))),
-                 out_shardings=(replicated, replicated), donate_argnums=0)
-  return jpack.DataParallel(lambda p: init(jax.device_put(p, replicated)), step,
-                            lambda state: state.params, _reported_layout(params, mesh))
-
-
-def _reported_layout(params: dict, mesh) -> Any:
-  """The layout ``jpack.data_parallel(mode="packed")`` plans for ``params`` on ``mesh``
-  (its plan options are `jpack.step_options`'): what a plain step reports."""
-  import jpack
-
-  return jpack.plan(params, **jpack.step_options(mesh)[0])
 
 
 def build_step(mode: str, loss_fn, optimizer, params: dict, mesh, comm_dtype: Any = None,
@@ -352,12 +197,12 @@ def build_step(mode: str, loss_fn, optimizer, params: dict, mesh, comm_dtype: An
   """
   import jpack
 
-  plain = {"per_leaf": per_leaf_step, "jit": jit_step}
+  plain = {"per_leaf": _reference.per_leaf_step, "jit": _reference.jit_step}
   if mode in plain:
     return plain[mode](loss_fn, optimizer, params, mesh, param_dtype=param_dtype,
                        accumulate=accumulate)
   if mode not in MASTER_MODES:  # data_parallel keeps no masters in this mode
-    loss_fn, param_dtype = loss_in(loss_fn, param_dtype), None
+    loss_fn, param_dtype = _reference.loss_in(loss_fn, param_dtype), None
   return jpack.data_parallel(
       loss_fn, optimizer, params, mesh, mode=mode,
       precision=jpack.Precision(param_dtype=param_dtype, comm_dtype=comm_dtype),
@@ -365,16 +210,6 @@ def build_step(mode: str, loss_fn, optimizer, params: dict, mesh, comm_dtype: An
 
 
 # -- measuring -------------------------------------------------------------------------
-
-
-def count_collectives(hlo_text: str) -> tuple[dict[str, int], int]:
-  """Collective ops in ``compiled.as_text()``, by kind, and the arrays they move."""
-  count = dict.fromkeys(COLLECTIVES, 0)
-  arrays = 0
-  for kind, operands in _COLLECTIVE_RE.findall(hlo_text):
-    count[kind] += 1
-    arrays += operands.count("%")
-  return count, arrays
 
 
 def grad_bytes_per_step(layout, mode: str, comm_dtype, accumulate: int = 1) -> int:
@@ -416,40 +251,6 @@ def opt_state_bytes_per_device(opt_state, mode: str, n: int) -> int:
     return jpack.optax.state_bytes_per_device(opt_state, n)
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
              for x in jax.tree.leaves(opt_state))
-
-
-def compiled_hlo(dp, state, batch) -> str:
-  """The optimized HLO of the program ``dp.step`` runs.
-
-  ``dp.step`` is a jitted function (the baseline) or a thin Python wrapper around one
-  (``jpack.data_parallel``); lowering that jitted function again for the same arguments
-  hits JAX's compilation cache (no second compile). If the wrapper ever stops exposing
-  it, compile ``jax.jit(dp.step)`` instead: the same program, at the cost of one more
-  compile.
-  """
-  import jax
-
-  if callable(getattr(dp.step, "lower", None)):
-    return dp.step.lower(state, batch).compile().as_text()
-  for cell in getattr(dp.step, "__closure__", None) or ():
-    try:
-      inner = cell.cell_contents
-    except ValueError:  # empty cell
-      continue
-    if callable(getattr(inner, "lower", None)):
-      try:
-        return inner.lower(state, batch).compile().as_text()
-      except Exception:  # noqa: BLE001 - not the step function after all: fall back
-        break
-  return jax.jit(dp.step).lower(state, batch).compile().as_text()
-
-
-def human_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  raise AssertionError  # unreachable
 
 
 # -- the demo --------------------------------------------------------------------------
@@ -518,11 +319,11 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
       say("")
     state, batch, losses, times = _train(dp, params0, batches, batch_sharding,
                                          _progress(steps, mode, progress, say))
-    collectives, arrays = count_collectives(compiled_hlo(dp, state, batch))
+    colls = _reference.count_collectives(_reference.compiled_hlo(dp, state, batch))
     acc = accuracy(dp.unpack(state), x_test, y_test, narrow)
     results.append(ModeResult(
         mode=mode, losses=losses, step_ms=times, compile_s=times[0] / 1e3,
-        collectives=collectives, collective_arrays=arrays,
+        collectives=colls.count, collective_arrays=colls.arrays,
         grad_bytes=grad_bytes_per_step(_reduced_layout(dp.layout, mode, narrow, params0),
                                        mode, wire, accumulate),
         opt_state_bytes=opt_state_bytes_per_device(state.opt_state, mode, devices),
@@ -631,8 +432,8 @@ def format_table(results: Sequence[ModeResult]) -> str:
                  f"{speed:.2f}x", f"{r.compile_s:.2f}",
                  f"{c['all-reduce']}/{c['reduce-scatter']}/{c['all-gather']}/"
                  f"{c['all-to-all']} [{r.collective_arrays}]",
-                 human_bytes(r.grad_bytes), human_bytes(r.opt_state_bytes),
-                 human_bytes(r.state_bytes), f"{r.final_loss:.4f}",
+                 human_bytes(r.grad_bytes, 2), human_bytes(r.opt_state_bytes, 2),
+                 human_bytes(r.state_bytes, 2), f"{r.final_loss:.4f}",
                  f"{r.test_accuracy:.3f}"))
   widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
 

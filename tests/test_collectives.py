@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import jpack
 import jpack._cpu
-from benchmarks._hlo import count_collectives
 from jpack._collectives import reduce  # the collective per bucket, chosen by method=
+from jpack._reference import count_collectives
 from conftest import assert_sliced_at_unfoldable_offsets, bits
 
 N = 8

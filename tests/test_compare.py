@@ -18,7 +18,7 @@ def test_compare_quick_against_head(tmp_path):
                     capture_output=True).returncode:
     pytest.skip("not a git checkout: no baseline revision to extract")
   path = tmp_path / "compare.json"
-  out = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--quick", "--baseline",
+  out = subprocess.run([sys.executable, "-m", "benchmarks", "compare", "--quick", "--baseline",
                         "HEAD", "--json", str(path)],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

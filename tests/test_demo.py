@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from jpack import __main__ as cli
-from jpack._demo import ALL_MODES, count_collectives
+from jpack._demo import ALL_MODES
+from jpack._reference import count_collectives
 
 WORKLOADS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "workloads"
 
@@ -273,7 +274,9 @@ def test_collective_counter_counts_ops_and_the_arrays_they_move():
   %agd = f32[8]{0} all-gather-done(%ags)
   %a2a = (u16[1,4]{1,0}, u16[1,4]{1,0}) all-to-all(%p, %q), dimensions={0}
   """
-  count, arrays = count_collectives(hlo)
-  assert count == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 1}
-  assert arrays == 6
-  assert count_collectives("%m = f32[2]{0} multiply(%a, %b)") == (dict.fromkeys(count, 0), 0)
+  colls = count_collectives(hlo)
+  assert colls.count == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 1,
+                         "all-to-all": 1}
+  assert colls.arrays == 6
+  none = count_collectives("%m = f32[2]{0} multiply(%a, %b)")
+  assert none.count == dict.fromkeys(colls.count, 0) and none.arrays == 0

@@ -1,6 +1,6 @@
 """The figures in README.md and docs/ are exactly what the benchmarks' JSON renders.
 
-`benchmarks/render.py` (``python -m benchmarks.render``) fills every
+`benchmarks/render.py` (``python -m benchmarks render``) fills every
 ``<!-- figures: NAME -->`` block from ``benchmarks/results/*.json``. These tests render
 the blocks again from the committed JSON and compare, so a hand-edited or stale figure
 fails; they also check that no benchmark figure is quoted outside the blocks, and that
@@ -49,7 +49,7 @@ def test_results_exist():
 
 def test_pages_match_the_json():
   stale = [_rel(p) for p in PAGES if render.render_text(p.read_text(), RESULTS) != p.read_text()]
-  assert not stale, (f"figures out of date in {stale}: run `python -m benchmarks.render` "
+  assert not stale, (f"figures out of date in {stale}: run `python -m benchmarks render` "
                      "(never edit the generated blocks by hand)")
 
 

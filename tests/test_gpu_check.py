@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from benchmarks import _common as c
-from benchmarks import optimizer, step
+from benchmarks import BENCHMARKS, optimizer, step
+from benchmarks import harness as c
+from benchmarks.__main__ import parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -31,18 +32,16 @@ def test_script_names_only_files_that_exist():
   text = SCRIPT.read_text()
   paths = set(re.findall(r"\b((?:benchmarks|tests|jpack|docs)/[\w/.-]+\.(?:py|sh|json|md))",
                          text))
-  modules = set(re.findall(r"-m (benchmarks\.\w+)", text))
-  assert {"tests/test_gpu_path.py", "benchmarks/step.py"} <= paths
-  assert {"benchmarks.optimizer", "benchmarks.step", "benchmarks.pack"} <= modules
-  missing = [p for p in paths if not (ROOT / p).is_file()]
-  missing += [m for m in modules if not (ROOT / (m.replace(".", "/") + ".py")).is_file()]
+  names = set(re.findall(r"-m benchmarks (\w+)", text))
+  assert "tests/test_gpu_path.py" in paths and {"optimizer", "step", "pack"} <= names
+  missing = [p for p in paths if not (ROOT / p).is_file()] + sorted(names - set(BENCHMARKS))
   assert not missing, f"benchmarks/gpu_check.sh names files that do not exist: {missing}"
   workloads = re.findall(r"GPU_CHECK_WORKLOADS:-([\w,]+)", text)
   models = re.findall(r"--models ([\w,]+)", text)
   variants = re.findall(r"--variants ([\w,]+)", text)
   assert workloads and models and variants
   for names in workloads:
-    c.check_workload_names(names.split(","), "gpu_check.sh")
+    assert set(names.split(",")) <= set(c.workload_names())
   assert set(",".join(models).split(",")) <= set(step.MODELS)
   assert set(",".join(variants).split(",")) <= set(step.VARIANTS)
 
@@ -60,7 +59,7 @@ def test_scale_keeps_every_leaf_and_its_rank():
 @pytest.mark.parametrize("value", ["0", "1.5", "-1", "x"])
 def test_scale_out_of_range_is_refused(value, capsys):
   with pytest.raises(SystemExit):
-    optimizer._parser().parse_args(["--scale", value])
+    parser().parse_args(["optimizer", "--scale", value])
   assert "--scale" in capsys.readouterr().err
 
 
@@ -69,7 +68,7 @@ def test_optimizer_benchmark_and_the_summary_of_goals(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable, "OUT": str(tmp_path)}
   json_path = tmp_path / "optimizer.json"
   args = ["--workloads", "resnet50,gpt2_small", "--scale", "0.01", "--runs", "2"]
-  result = subprocess.run([sys.executable, "-m", "benchmarks.optimizer", *args, "--json",
+  result = subprocess.run([sys.executable, "-m", "benchmarks", "optimizer", *args, "--json",
                            str(json_path)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

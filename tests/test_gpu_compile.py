@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import gpu_compile, models  # noqa: E402
-from benchmarks._hlo import analyze_program, count_collectives  # noqa: E402
+from jpack._reference import analyze_program, count_collectives  # noqa: E402
 
 # Small enough to compile in seconds, with what matters in real models: tied embeddings,
 # bf16 weights next to float32 norms, many small leaves next to big ones.
@@ -206,8 +206,9 @@ def test_your_own_model_in_one_command(tmp_path, monkeypatch, capsys):
 
   monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "docs" / "examples"))
   out = tmp_path / "mine.json"
-  assert gpu_compile.main(["--model", "gpu_model:model", "--variants",
-                           "floor,per_leaf,packed", "--json", str(out)]) == 0
+  from benchmarks.__main__ import main
+  assert main(["gpu_compile", "--model", "gpu_model:model", "--variants",
+               "floor,per_leaf,packed", "--json", str(out)]) == 0
   rows = [r["values"] for t in json.loads(out.read_text())["tables"] for r in t["rows"]
           if "kernels" in r["values"]]
   assert [r["key"] for r in rows] == ["floor", "per_leaf", "packed"]
@@ -219,11 +220,11 @@ def test_your_own_model_in_one_command(tmp_path, monkeypatch, capsys):
 def test_full_size_models_have_exactly_the_workload_tables_leaves(name):
   # The compiled table's models are real models with the shape tables' leaves: same key
   # paths, shapes and dtypes, and a loss that traces on a batch (shapes only).
-  from benchmarks import _common as c
+  from benchmarks import harness
 
   model = models.full_size(name)
   want = {leaf["path"]: (tuple(leaf["shape"]), leaf["dtype"])
-          for leaf in c.load_workload_doc(name)["leaves"]}
+          for leaf in harness.load_workload_doc(name)["leaves"]}
   got = {"/".join(str(k.key) for k in path): (tuple(x.shape), str(x.dtype))
          for path, x in jax.tree_util.tree_leaves_with_path(model.params)}
   assert got == want
@@ -244,14 +245,17 @@ def test_update_keeps_what_is_not_compiled_again():
 
   earlier = doc("all", ["gpt2_small", "bert_base", "many_small_4000"], ["floor", "packed"])
   now = doc("one", ["many_small_4000", "resnet50"], ["hand_pmean", "floor"])
-  got = gpu_compile.merged(earlier, now)
+  from benchmarks import harness
+  merged = lambda a, b: harness.merged(a, b, "workload", list(gpu_compile.VARIANTS),
+                                       list(gpu_compile.MODELS))
+  got = merged(earlier, now)
   assert [t["title"] for t in got["tables"]] == [
       "gpt2_small all", "gpt2_small all", "bert_base all", "bert_base all",
       "resnet50 one", "resnet50 one", "many_small_4000 one", "many_small_4000 one"]
   rows = [(r["values"]["key"], r["values"]["run"]) for r in got["tables"][-1]["rows"]]
   assert rows == [("floor", "one"), ("hand_pmean", "one"), ("packed", "all")]
   assert got["commands"] == ["all", "one"]
-  assert gpu_compile.merged(got, doc("two", [], []))["commands"] == ["all", "one", "two"]
+  assert merged(got, doc("two", [], []))["commands"] == ["all", "one", "two"]
 
 
 def test_shares_and_goals_are_computed_from_the_merged_rows():
@@ -271,7 +275,7 @@ def test_shares_and_goals_are_computed_from_the_merged_rows():
   stale = {"title": "w: goals", "columns": ["mode", "goal", "result"], "rows": [
       {"cells": {"mode": "packed", "goal": "old", "result": "MISS"},
        "values": {"workload": "w", "key": "packed", "goal": "old", "ok": False}}]}
-  got = gpu_compile.with_shares({"command": "x", "tables": [table, stale]})
+  got = gpu_compile.finish({"command": "x", "tables": [table, stale]})
   rows = {r["values"]["key"]: r for r in got["tables"][0]["rows"]}
   assert rows["packed"]["values"]["kernels_removed"] == pytest.approx(0.9)
   assert rows["packed"]["values"]["hbm_removed"] == pytest.approx(0.5)

@@ -1,6 +1,6 @@
 """The HLO collective counter the benchmarks report with."""
 
-from benchmarks._hlo import count_collectives
+from jpack._reference import count_collectives
 
 
 def test_counts_ops_arrays_and_result_bytes():

@@ -90,9 +90,9 @@ def test_init_from_numpy_and_from_arrays_is_the_same_state(mode):
 
 def test_startup_benchmark_prints_its_table(tmp_path):
   out_json = tmp_path / "startup.json"
-  args = ["--sizes", "25", "--models", "none", "--modes", "packed", "--rounds", "1",
-          "--json", str(out_json)]
-  out = subprocess.run([sys.executable, "-m", "benchmarks.startup", *args],
+  args = ["--models", "mlp_25", "--variants", "packed", "--rounds", "1", "--json",
+          str(out_json)]
+  out = subprocess.run([sys.executable, "-m", "benchmarks", "startup", *args],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "mlp_25" in out.stdout and "build + init <= 0.5 s" in out.stdout

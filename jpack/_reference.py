@@ -1,7 +1,11 @@
-"""Collective ops in compiled HLO text: what the benchmarks report.
+"""The steps jpack is measured against, and what compiled programs are read for.
 
-Counting ops in ``compiled.as_text()`` is how we show that a step really sends a few
-bucket collectives instead of one per leaf (and how many bytes they return).
+Used by `python -m jpack demo` and by the benchmarks (``benchmarks/``, which import it;
+nothing in jpack imports them). The steps are the usual data-parallel steps written
+without jpack: a shard_map step with a ``lax.pmean`` per gradient leaf
+(`per_leaf_step`) and plain ``jax.jit`` on sharded arrays (`jit_step`). The HLO readers
+count the collectives in ``compiled.as_text()`` and read a scheduled GPU program's
+kernels, bytes and overlap (`analyze_program`).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any, Callable
 
 COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 _ABBREV = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A"}
@@ -319,3 +324,245 @@ def analyze_program(hlo_text: str) -> Program:
 
   walk(entry, 1)
   return Program(kernels, hbm, copies, copy_bytes, tuple(collectives), tuple(per_kernel))
+
+
+def loop_collectives(hlo_text: str) -> Collectives:
+  """The collectives in while-loop bodies (and what they call): the count of the whole
+  program has them once, yet they run once per iteration (lax.scan's micro-steps)."""
+  comps, _ = _computations(hlo_text)
+  todo = [c for instrs in comps.values() for i in instrs if i.op == "while" for c in i.calls]
+  inside: set[str] = set()
+  while todo:
+    name = todo.pop()
+    if name not in inside and name in comps:
+      inside.add(name)
+      todo += [c for i in comps[name] for c in i.calls]
+  return count_collectives("\n".join(i.line for name in inside for i in comps[name]))
+
+
+def compiled_hlo(dp: Any, state: Any, batch: Any) -> str:
+  """The optimized HLO of the program ``dp.step`` runs.
+
+  ``dp.step`` is a jitted function (the plain steps) or a thin Python wrapper around one
+  (``jpack.data_parallel``); lowering that jitted function again for the same arguments
+  hits JAX's compilation cache (no second compile). If the wrapper ever stops exposing
+  it, compile ``jax.jit(dp.step)`` instead: the same program, at the cost of one more
+  compile.
+  """
+  import jax
+
+  if callable(getattr(dp.step, "lower", None)):
+    return dp.step.lower(state, batch).compile().as_text()
+  for cell in getattr(dp.step, "__closure__", None) or ():
+    try:
+      inner = cell.cell_contents
+    except ValueError:  # empty cell
+      continue
+    if callable(getattr(inner, "lower", None)):
+      try:
+        return inner.lower(state, batch).compile().as_text()
+      except Exception:  # noqa: BLE001 - not the step function after all: fall back
+        break
+  return jax.jit(dp.step).lower(state, batch).compile().as_text()
+
+
+def human_bytes(n: float, digits: int = 1) -> str:
+  """``n`` bytes in B, KiB, MiB or GiB, with ``digits`` decimals above bytes."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+    n /= 1024
+  raise AssertionError  # unreachable
+
+
+# -- the steps without jpack -----------------------------------------------------------
+
+
+def loss_in(loss_fn: Callable, param_dtype: Any = None) -> Callable:
+  """``loss_fn`` on the params cast to ``param_dtype`` (float32 params stay the masters:
+  their gradients come back float32 through the cast)."""
+  if param_dtype is None:
+    return loss_fn
+  import jpack
+
+  return lambda params, *rest: loss_fn(jpack.cast_params(params, param_dtype), *rest)
+
+
+def _multi_steps(optimizer: Any, accumulate: int) -> Any:
+  """``optimizer`` applied every ``accumulate`` calls to the mean of their gradients
+  (``optax.MultiSteps``), or ``optimizer`` itself."""
+  import optax
+
+  if accumulate == 1:
+    return optimizer
+  return optax.MultiSteps(optimizer, every_k_schedule=accumulate).gradient_transformation()
+
+
+def _scan_micro_batches(update: Callable, carry: Any, batch: Any, accumulate: int,
+                        split: Callable) -> tuple[Any, tuple[Any, Any]]:
+  """``update`` once on ``batch``, or over its ``accumulate`` micro-batches under
+  `jax.lax.scan` (MultiSteps applies the optimizer on the last one): the new carry, the
+  mean loss and the last gradient norm."""
+  import jax
+
+  if accumulate == 1:
+    return update(carry, batch)
+  carry, (losses, norms) = jax.lax.scan(update, carry, jax.tree.map(split, batch))
+  return carry, (losses.mean(), norms[-1])
+
+
+def per_leaf_step(loss_fn: Callable, optimizer: Any, params: Any, mesh: Any, *,
+                  reduce: Callable[[Any], Any] | None = None,
+                  norm: Callable[[Any], Any] | None = None, param_dtype: Any = None,
+                  accumulate: int = 1) -> Any:
+  """The usual data-parallel step without jpack: a shard_map step with a ``lax.pmean``
+  per gradient leaf.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)``, or with a model state given to ``init``
+      (``init(params, model_state)``), ``loss_fn(params, model_state, batch) -> (loss,
+      new_model_state)``, the new state averaged leaf by leaf as `jpack.data_parallel`
+      averages it.
+    reduce: gradients -> their mean over the axis (default: a ``lax.pmean`` per leaf);
+      ``lambda g: g`` where ``optimizer`` reduces them itself.
+    norm: the optimizer state -> the reported gradient norm, where ``reduce`` leaves
+      the gradients unreduced (default: the norm of the reduced gradients).
+    param_dtype: the loss sees the params cast to it.
+    accumulate: micro-batches of each device's rows per step, under ``jax.lax.scan``,
+      with ``optax.MultiSteps``: every micro-batch's gradients are reduced.
+
+  Returns a `jpack.DataParallel` over the mesh's first axis. Its ``layout``, planned as
+  data_parallel plans it (`jpack.step_options`), is only reported: the step never packs.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jpack
+
+  axis = mesh.axis_names[0]
+  reduce = reduce or (lambda grads: jax.tree.map(lambda g: jax.lax.pmean(g, axis), grads))
+  loss_fn = loss_in(loss_fn, param_dtype)
+  optimizer = _multi_steps(optimizer, accumulate)
+
+  def update(carry, batch):
+    params, opt_state, model_state = carry
+    # Differentiate w.r.t. this device's copy of the params: shard_map's autodiff would
+    # otherwise all-reduce each gradient leaf by itself, before the reduction below.
+    mine = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), params)
+    if model_state is None:
+      loss, grads = jax.value_and_grad(loss_fn)(mine, batch)
+    else:
+      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          mine, model_state, batch)
+      model_state = jax.tree.map(lambda x: jax.lax.pmean(x, axis), model_state)
+    grads = reduce(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    grad_norm = optax.tree.norm(grads) if norm is None else norm(opt_state)
+    return ((optax.apply_updates(params, updates), opt_state, model_state),
+            (jax.lax.pmean(loss, axis), grad_norm))
+
+  def local_step(state, batch):
+    carry = (state.params, state.opt_state, state.model_state)
+    (params, opt_state, model_state), (loss, grad_norm) = _scan_micro_batches(
+        update, carry, batch, accumulate, lambda x: x.reshape((accumulate, -1) + x.shape[1:]))
+    new = jpack.TrainState(params, opt_state, state.step + 1, model_state)
+    return new, {"loss": loss, "grad_norm": grad_norm}
+
+  def local_init(p, model_state=None):
+    return jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32), model_state)
+
+  init = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P()))
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(axis)),
+                               out_specs=(P(), P())), donate_argnums=0)
+  replicated = NamedSharding(mesh, P())
+  return jpack.DataParallel(
+      lambda p, model_state=None: init(*jax.device_put((p, model_state), replicated)),
+      step, lambda state: state.params, _reported_layout(params, mesh))
+
+
+def zero1_sharding(x: Any, mesh: Any) -> Any:
+  """``x`` split over the mesh's first axis along its largest dimension that splits
+  evenly (the first of equal ones); replicated when none does, as adam's step count."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  axis = mesh.axis_names[0]
+  n = mesh.shape[axis]
+  for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+    if x.shape[d] and x.shape[d] % n == 0:
+      return NamedSharding(mesh, P(*(axis if i == d else None for i in range(x.ndim))))
+  return NamedSharding(mesh, P())
+
+
+def jit_step(loss_fn: Callable, optimizer: Any, params: Any, mesh: Any, *,
+             param_dtype: Any = None, accumulate: int = 1, shard_state: bool = False,
+             shard_params: bool = False) -> Any:
+  """Data parallelism as plain ``jax.jit`` gives it: a step over global arrays, params
+  replicated and the batch split over the mesh's first axis by their shardings. XLA
+  partitions the step and inserts the gradient all-reduces itself.
+
+  ``shard_state``: the optimizer state split over the axis (`zero1_sharding`), so XLA
+  updates each device's slice and all-gathers the new params (ZeRO-1 by sharding);
+  ``shard_params``: the params split that way too (FSDP by sharding). ``param_dtype``
+  and ``accumulate`` (``optax.MultiSteps``) as in `per_leaf_step`. The shardings are
+  ``in_shardings`` / ``out_shardings``, which meshes of Explicit and of Auto axes both
+  take. Returns a `jpack.DataParallel`; its ``layout`` is only reported.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jpack
+
+  axis = mesh.axis_names[0]
+  replicated = NamedSharding(mesh, P())
+  n = mesh.shape[axis]
+  loss_fn = loss_in(loss_fn, param_dtype)
+  optimizer = _multi_steps(optimizer, accumulate)
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+  split = (lambda x: zero1_sharding(x, mesh)) if shard_state else (lambda _: replicated)
+  shardings = jpack.TrainState(
+      jax.tree.map(split if shard_params else (lambda _: replicated), like),
+      jax.tree.map(split, jax.eval_shape(optimizer.init, like)), replicated)
+
+  def update(carry, batch):
+    params, opt_state = carry
+    # The mean over the global batch: with equal slices, the mean of the per-device
+    # means that the shard_map steps average, so every step takes the same gradient.
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), (loss, optax.tree.norm(grads))
+
+  def split_rows(x):
+    # Micro-batch j: the j-th of each device's row blocks, so no row changes device.
+    x = x.reshape((n, accumulate, -1) + x.shape[1:])
+    return jnp.moveaxis(x, 1, 0).reshape((accumulate, -1) + x.shape[3:])
+
+  def global_step(state, batch):
+    (params, opt_state), (loss, grad_norm) = _scan_micro_batches(
+        update, (state.params, state.opt_state), batch, accumulate, split_rows)
+    new = jpack.TrainState(params, opt_state, state.step + 1)
+    return new, {"loss": loss, "grad_norm": grad_norm}
+
+  init = jax.jit(lambda p: jpack.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)),
+                 out_shardings=shardings)
+  step = jax.jit(global_step, in_shardings=(shardings, NamedSharding(mesh, P(axis))),
+                 out_shardings=(shardings, replicated), donate_argnums=0)
+  # Split params are placed by init itself: never whole on one device first.
+  place = (lambda p: p) if shard_params else (lambda p: jax.device_put(p, replicated))
+  return jpack.DataParallel(lambda p: init(place(p)), step, lambda state: state.params,
+                            _reported_layout(params, mesh))
+
+
+def _reported_layout(params: Any, mesh: Any) -> Any:
+  """The layout ``jpack.data_parallel(mode="packed")`` plans for ``params`` on ``mesh``
+  (its plan options are `jpack.step_options`'): what a plain step reports."""
+  import jpack
+
+  return jpack.plan(params, **jpack.step_options(mesh)[0])

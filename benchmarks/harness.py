@@ -1,0 +1,449 @@
+"""What every benchmark shares: workloads and inputs, the one way to time, tables and the
+results file, and the adapters to jpack's parameters that are about to change.
+
+Nothing here starts JAX's backend at import time: `benchmarks.__main__` still sets the
+number of CPU devices after importing it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import shlex
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+import jpack
+from jpack._reference import Collectives, count_collectives, human_bytes  # noqa: F401
+from jpack._collectives import reduce  # what jpack.pmean runs, with the platform's choice named
+from jpack._pack import unpack_shared as _unpack_shared  # how collectives return trees
+
+BENCHMARKS_DIR = pathlib.Path(__file__).resolve().parent
+WORKLOADS_DIR = BENCHMARKS_DIR / "workloads"
+RESULTS_DIR = BENCHMARKS_DIR / "results"
+AXIS = "batch"
+
+# -- adapters: every call that passes jpack's method= or share_kernels= ----------------
+
+
+def reduce_with_method(tree: Any, axis: str, layout: jpack.Layout, method: str) -> Any:
+  """``jpack.pmean`` of ``tree`` by ``method`` ("psum", "scatter_gather", "auto")."""
+  return reduce(tree, axis, mean=True, layout=layout, method=method)
+
+
+def unpack_shared(packed: jpack.Packed) -> Any:
+  """``jpack.unpack`` with slices of equal size sharing one kernel."""
+  return _unpack_shared(packed)
+
+
+# -- workloads and inputs ---------------------------------------------------------------
+
+
+def workload_names() -> list[str]:
+  """The workloads of benchmarks/workloads/*.json, smallest first."""
+  docs = {p.stem: json.loads(p.read_text()) for p in WORKLOADS_DIR.glob("*.json")}
+  return sorted(docs, key=lambda n: (docs[n]["num_elements"], n))
+
+
+def load_workload_doc(name: str) -> dict:
+  return json.loads((WORKLOADS_DIR / f"{name}.json").read_text())
+
+
+@dataclasses.dataclass
+class Workload:
+  """A (possibly subset) workload: a flat ``{path: ShapeDtypeStruct}`` dict."""
+  name: str
+  shapes: dict[str, jax.ShapeDtypeStruct]
+  full_leaves: int
+  full_elements: int
+
+  @property
+  def num_leaves(self) -> int:
+    return len(self.shapes)
+
+  @property
+  def num_elements(self) -> int:
+    return sum(math.prod(s.shape) for s in self.shapes.values())
+
+  @property
+  def nbytes(self) -> int:
+    return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.shapes.values())
+
+  @property
+  def subset(self) -> bool:
+    return self.num_leaves != self.full_leaves
+
+  def describe(self) -> str:
+    dtypes = "+".join(sorted({np.dtype(s.dtype).name for s in self.shapes.values()}))
+    text = (f"{self.name}: {self.num_leaves} leaves, {self.num_elements / 1e6:.2f} M "
+            f"elements, {human_bytes(self.nbytes)} ({dtypes})")
+    return text + (f"  [subset of {self.full_leaves} leaves]" if self.subset else "")
+
+
+def load_workload(name: str, *, max_leaves: int | None = None,
+                  max_elements: int | None = None) -> Workload:
+  """Workload ``name``; with budgets, the leaves in file order that still fit both (a
+  leaf too large for what is left is skipped, later smaller ones may still fit)."""
+  import jax.numpy as jnp  # bfloat16 & co. come from ml_dtypes through jnp
+
+  if name.startswith("small_"):
+    return synthetic_small_leaves(int(name[len("small_"):]))
+  doc = load_workload_doc(name)
+  shapes: dict[str, jax.ShapeDtypeStruct] = {}
+  total = 0
+  for leaf in doc["leaves"]:
+    if max_leaves is not None and len(shapes) >= max_leaves:
+      break
+    shape = tuple(int(d) for d in leaf["shape"])
+    if max_elements is not None and total + math.prod(shape) > max_elements:
+      continue
+    shapes[leaf["path"]] = jax.ShapeDtypeStruct(shape, jnp.dtype(leaf["dtype"]))
+    total += math.prod(shape)
+  return Workload(name, shapes, int(doc["num_leaves"]), int(doc["num_elements"]))
+
+
+def synthetic_small_leaves(num_leaves: int = 1000, total_bytes: int = 2**20) -> Workload:
+  """``num_leaves`` f32 leaves of varied small sizes, ``total_bytes`` in all."""
+  weights = np.random.default_rng(0).uniform(0.2, 1.8, num_leaves)
+  sizes = np.maximum(1, np.floor(weights / weights.sum() * total_bytes // 4)).astype(int)
+  sizes[-1] += total_bytes // 4 - sizes.sum()
+  shapes = {f"leaf{i:04d}": jax.ShapeDtypeStruct((int(s),), np.dtype(np.float32))
+            for i, s in enumerate(sizes)}
+  return Workload(f"small_{num_leaves}", shapes, num_leaves, int(sizes.sum()))
+
+
+def random_numpy(shape: Sequence[int], dtype: Any, rng: np.random.Generator) -> np.ndarray:
+  """Uniform [0, 1) values of ``dtype`` (cheap to make, never NaN)."""
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.integer):
+    return rng.integers(0, 100, size=shape, dtype=dtype)
+  return rng.random(size=shape, dtype=np.float32).astype(dtype)
+
+
+def random_tree(shapes: dict[str, jax.ShapeDtypeStruct], *, seed: int = 0,
+                lead: int | None = None, sharding: Any = None) -> dict[str, jax.Array]:
+  """Random device arrays for ``shapes``, with a leading axis of ``lead`` (one slice
+  per device) and placed by ``sharding`` (default: device 0)."""
+  rng = np.random.default_rng(seed)
+  return jax.block_until_ready({
+      path: place(random_numpy(s.shape if lead is None else (lead, *s.shape), s.dtype, rng),
+                  sharding) for path, s in shapes.items()})
+
+
+def place(x: Any, sharding: Any = None) -> jax.Array:
+  return jax.device_put(x, jax.devices()[0] if sharding is None else sharding)
+
+
+def mesh(n: int, axis_types: Any = None) -> jax.sharding.Mesh:
+  """A 1-D mesh of the first ``n`` devices over `AXIS`."""
+  kind = axis_types or jax.sharding.AxisType.Explicit
+  return jax.make_mesh((n,), (AXIS,), axis_types=(kind,), devices=jax.devices()[:n])
+
+
+def bytes_per_device(tree: Any) -> int:
+  """Bytes that device 0 holds for ``tree`` (a replicated leaf counts fully)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shards = getattr(x, "addressable_shards", None)
+    total += shards[0].data.nbytes if shards else np.asarray(x).nbytes
+  return total
+
+
+def max_diff(a: Any, b: Any) -> float:
+  """The largest absolute difference between two trees of the same structure."""
+  return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)) if np.size(x)),
+             default=0.0)
+
+
+# -- the one way to time ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Compiled:
+  """An AOT-compiled function and how long lowering (tracing included) and compiling
+  took. Call ``fn``: calling the jitted function would compile again."""
+  fn: Any
+  lower_s: float
+  compile_s: float
+
+  @property
+  def total_s(self) -> float:
+    return self.lower_s + self.compile_s
+
+  def text(self) -> str:
+    return self.fn.as_text()
+
+
+def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None,
+               compiler_options: dict | None = None) -> Compiled:
+  """``jax.jit(f).lower(*args).compile()``, timed (``f`` may be jitted already)."""
+  jitted = f if hasattr(f, "lower") else jax.jit(f, **(jit_kwargs or {}))
+  lowered, lower_s = timed(lambda: jitted.lower(*args))
+  compiled, compile_s = timed(lambda: lowered.compile(compiler_options))
+  return Compiled(compiled, lower_s, compile_s)
+
+
+@dataclasses.dataclass
+class Timing:
+  median_s: float
+  min_s: float
+  runs: int
+  samples: tuple[float, ...] = ()  # every timed call, in order of the rounds
+
+  def over(self, other: "Timing") -> float:
+    """The median over rounds of this time / ``other``'s in the same round, for two
+    timings from one `time_rounds` call: drifts of the host that last a round cancel."""
+    if not self.samples or len(self.samples) != len(other.samples):
+      raise ValueError("paired ratios need two timings from the same interleaved rounds")
+    return statistics.median(x / y for x, y in zip(self.samples, other.samples))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+  """``fn()`` and its wall time, until its result is ready on the devices."""
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - t0
+
+
+def time_rounds(calls: dict[str, Callable[[], Any]], rounds: int = 5, warmup: int = 1,
+                after: Callable[[str], Any] | None = None) -> dict[str, Timing]:
+  """The wall time of every call in ``calls``, timed in interleaved rounds of one call
+  each, after ``warmup`` untimed rounds.
+
+  Calls timed one after the other see different host states (allocator and page state
+  move the time of one large CPU collective from run to run, and any ratio with it); in
+  rounds, every call meets the same drifts, so their ratios hold. Each round starts one
+  call later: a call slowed by the one before it is not always slowed by the same one.
+  Outputs are dropped before the next call; ``after(key)`` runs after each timed call,
+  outside its time.
+  """
+  keys = list(calls)
+  for _ in range(warmup):
+    for key in keys:
+      timed(calls[key])
+  times: dict[str, list[float]] = {key: [] for key in keys}
+  for r in range(max(1, rounds)):
+    for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+      times[key].append(timed(calls[key])[1])
+      if after is not None:
+        after(key)
+  return {k: Timing(statistics.median(t), min(t), len(t), tuple(t)) for k, t in times.items()}
+
+
+# -- tables and the results file --------------------------------------------------------
+
+_NUM_RE = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?\s*(x|×|%|ms|s|MB|MiB|KiB|GB)?$")
+
+
+class Table:
+  """Rows of formatted cells, with the unrounded numbers behind them (``values``, which
+  only the JSON results carry): aligned text for the terminal, Markdown, or JSON."""
+
+  def __init__(self, columns: Sequence[str], title: str = ""):
+    self.columns, self.title = list(columns), title
+    self.rows: list[list[str]] = []
+    self.values: list[dict[str, Any]] = []
+
+  def add(self, *cells: Any, **values: Any) -> None:
+    if len(cells) != len(self.columns):
+      raise ValueError(f"row has {len(cells)} cells, table has {len(self.columns)} columns")
+    self.rows.append(["" if c is None else str(c) for c in cells])
+    self.values.append(values)
+
+  def json(self) -> dict[str, Any]:
+    return {"title": self.title, "columns": self.columns,
+            "rows": [{"cells": dict(zip(self.columns, cells)), "values": values}
+                     for cells, values in zip(self.rows, self.values)]}
+
+  def _right(self) -> list[bool]:
+    """Right-align the columns whose cells all look numeric."""
+    cells = [[r[i] for r in self.rows if r[i] not in ("", "-")] for i in range(len(self.columns))]
+    return [bool(c) and all(_NUM_RE.match(x.strip()) for x in c) for c in cells]
+
+  def text(self) -> str:
+    widths = [max([len(h)] + [len(r[i]) for r in self.rows]) for i, h in enumerate(self.columns)]
+    right = self._right()
+    line = lambda cells: "  ".join(c.rjust(w) if r else c.ljust(w)
+                                   for c, w, r in zip(cells, widths, right)).rstrip()
+    return "\n".join(([self.title] if self.title else []) + [
+        line(self.columns), line(["-" * w for w in widths]), *map(line, self.rows)])
+
+  def markdown(self) -> str:
+    esc = lambda c: c.replace("|", "\\|")
+    return "\n".join(([f"**{self.title}**", ""] if self.title else []) + [
+        "| " + " | ".join(map(esc, self.columns)) + " |",
+        "|" + "|".join("---:" if r else "---" for r in self._right()) + "|",
+        *("| " + " | ".join(map(esc, r)) + " |" for r in self.rows)])
+
+
+class Report:
+  """The tables and notes of one run: printed as they come, written as Markdown and as
+  ``benchmarks/results/<name>.json`` with the machine and the command line (``argv``,
+  the benchmark's name first)."""
+
+  def __init__(self, name: str, title: str, argv: Sequence[str]):
+    self.name, self.title = name, title
+    self.command = shlex.join(["python", "-m", "benchmarks", *argv])
+    self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    self.parts: list[Table | str] = []
+
+  def table(self, table: Table) -> None:
+    self.parts.append(table)
+    print("\n" + table.text(), flush=True)
+
+  def text(self, text: str) -> None:
+    self.parts.append(text)
+    print(text, flush=True)
+
+  def markdown(self) -> str:
+    out = [f"# {self.title}", "", f"Machine: `{machine()}`", ""]
+    for p in self.parts:
+      if isinstance(p, Table):
+        out += [p.markdown(), ""]
+      else:
+        out += ["```", p.rstrip("\n"), "```", ""] if "\n" in p.strip() else [p, ""]
+    return "\n".join(out)
+
+  def json(self) -> dict[str, Any]:
+    return {"benchmark": self.name, "title": self.title, "command": self.command,
+            "started": self.started, "machine": machine_info(),
+            "tables": [p.json() for p in self.parts if isinstance(p, Table)],
+            "notes": [p for p in self.parts if not isinstance(p, Table)]}
+
+  def write(self, json_path: str | None, markdown_path: str | None = None,
+            doc: dict[str, Any] | None = None) -> None:
+    """Write the Markdown and ``doc`` (default: `json`) to the paths given."""
+    if markdown_path:
+      pathlib.Path(markdown_path).write_text(self.markdown())
+    if json_path:
+      pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+      pathlib.Path(json_path).write_text(
+          json.dumps(finite(self.json() if doc is None else doc), indent=1) + "\n")
+      print(f"\nWrote {json_path}", flush=True)
+
+
+def merged(earlier: dict[str, Any], now: dict[str, Any], name: str, row_order: list[str],
+           table_order: list[str]) -> dict[str, Any]:
+  """``now``'s JSON with ``earlier``'s results kept where ``now`` has none: the tables
+  of the models (``values[name]`` of their rows) it did not run, and in those it did,
+  the rows of the variants (``values["key"]``) it did not run. Rows follow
+  ``row_order`` and tables ``table_order``; both runs' commands are listed."""
+  table_name = lambda t: t["rows"][0]["values"].get(name) if t["rows"] else None
+  row_key = lambda r: (r["values"].get("key"), r["values"].get("goal"))
+  order = {key: i for i, key in enumerate(row_order)}
+  fresh = {(table_name(t), tuple(t["columns"])): t for t in now["tables"]}
+  tables = []
+  for old in earlier["tables"]:
+    new = fresh.pop((table_name(old), tuple(old["columns"])), None)
+    if new is not None:
+      rows = {row_key(r): r for r in old["rows"]} | {row_key(r): r for r in new["rows"]}
+      new = {**new, "rows": sorted(rows.values(),
+                                   key=lambda r: order.get(row_key(r)[0], len(order)))}
+    tables.append(new or old)
+  tables += fresh.values()
+  by_name = {n: i for i, n in enumerate(table_order)}
+  tables.sort(key=lambda t: by_name.get(table_name(t), len(by_name)))  # stable
+  commands = earlier.get("commands", [earlier["command"]])
+  return {**now, "tables": tables, "commands": [*commands, now["command"]]}
+
+
+def finite(x: Any) -> Any:
+  """``x`` with NaN and infinities as None (JSON has no such numbers) and numpy scalars
+  as Python numbers."""
+  if isinstance(x, dict):
+    return {str(k): finite(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [finite(v) for v in x]
+  if isinstance(x, np.generic):
+    x = x.item()
+  return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+# -- formatting --------------------------------------------------------------------------
+
+
+def fmt_ms(seconds: float | None) -> str:
+  if seconds is None:
+    return "-"
+  ms = 1e3 * seconds
+  return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def fmt_s(seconds: float | None) -> str:
+  if seconds is None:
+    return "-"
+  return f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}"
+
+
+def fmt_ratio(x: float | None) -> str:
+  return "-" if x is None or not math.isfinite(x) else f"{x:.2f}x"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+  return None if a is None or b is None or b <= 0 else a / b
+
+
+def fmt_mb(n: float) -> str:
+  return f"{n / 1e6:.3g}" if n < 1e8 else f"{n / 1e6:.0f}"
+
+
+def collective_values(colls: Collectives) -> dict[str, Any]:
+  """A row's JSON values for the collectives in a compiled program."""
+  return {"collectives": colls.count, "collective_bytes": colls.result_bytes,
+          "collective_arrays": colls.arrays}
+
+
+def verdict(ok: bool | None) -> str:
+  return "SKIP" if ok is None else ("PASS" if ok else "MISS")
+
+
+# -- the machine -------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+  """CPU model and cores, library versions, and the devices JAX runs on."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  import jaxlib
+  import optax
+
+  devices = jax.devices()
+  return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
+          "jpack": jpack.__version__, "platform": devices[0].platform,
+          "device_kind": devices[0].device_kind, "device_count": len(devices)}
+
+
+def machine() -> str:
+  m = machine_info()
+  return (f"{m['cpu']}, {m['cores']} cores, jax {m['jax']} (jaxlib {m['jaxlib']}), "
+          f"optax {m['optax']}, {m['device_count']} {m['platform']} device(s) "
+          f"({m['device_kind']}), python {m['python']}")
+
+
+def release_host_memory() -> None:
+  """Hand freed device buffers back to the OS between phases (glibc only): XLA:CPU
+  buffers are malloc'ed, and glibc keeps large freed ones in the process, so a run over
+  several big models could exhaust the host's memory. Called outside timed regions."""
+  gc.collect()
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc
+    pass

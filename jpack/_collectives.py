@@ -396,6 +396,40 @@ def reduce_scatter(tree: Any, axis_name: AxisName, *, mean: bool = False,
                                 gather=False), packed.layout)
 
 
+def slice_axes(axis_name: AxisName) -> tuple[tuple[Any, ...], Any]:
+  """``(replica_axes, slice_axis)``: how ZeRO (`jpack.optax.sharded`, `jpack.fsdp`) uses a
+  data-parallel axis name. A tuple ``(outer, ..., inner)`` slices over its last axis and
+  replicates over the others (hybrid sharding: reduce-scatter within a node, all-reduce
+  of the slice across nodes); a single name slices over it."""
+  if isinstance(axis_name, tuple):
+    if not axis_name:
+      raise ValueError("axis_name is an empty tuple; name the data-parallel mesh axes.")
+    return tuple(axis_name[:-1]), axis_name[-1]
+  return (), axis_name
+
+
+def mean_to_slices(packed: Packed, axis_name: AxisName, *, comm_dtype: Any = None) -> Shards:
+  """The mean of ``packed`` over every axis of ``axis_name``, as this device's slices
+  over its `slice_axes` axis: a reduce-scatter over that axis, then an all-reduce of the
+  slices over the replica axes (1/n of the bytes cross them)."""
+  replicas, axis = slice_axes(axis_name)
+  shards = reduce_scatter(packed, axis, mean=True, comm_dtype=comm_dtype)
+  return Shards(mean_over(shards.buckets, replicas, comm_dtype), shards.layout)
+
+
+def mean_over(buckets: tuple[Any, ...], axes: tuple[Any, ...], comm_dtype: Any = None
+              ) -> tuple[Any, ...]:
+  """Each 1-D array averaged over ``axes`` (none: unchanged), as `pmean` reduces a bucket."""
+  if not axes:
+    return tuple(buckets)
+  n = axis_size(axes)
+  comm_dtype = _check_comm_dtype(comm_dtype)
+  scatter = [b.size % n == 0 for b in buckets]
+  return _reduce_buckets(tuple(buckets), axes, n, scatter_on_cpu=scatter,
+                         scatter_elsewhere=[False] * len(buckets), mean=True,
+                         comm_dtype=comm_dtype, gather=True)
+
+
 def all_gather(shards: Shards, axis_name: AxisName) -> Packed:
   """Reassemble full buckets from every device's `Shards`.
 

@@ -463,13 +463,14 @@ GPU_SOLO_NDIM = 2
 GPU_FSDP_COMPILER_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0}
 
 
-def step_defaults(devices: Any, sharded: bool, n: int, fsdp: bool = False
+def step_defaults(devices: Any, n: int, slices: int, fsdp: bool = False
                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``(plan options, compiler options)`` of `jpack.data_parallel`'s step on ``devices``.
+  """``(plan options, compiler options)`` of `jpack.data_parallel`'s step on ``devices``
+  (``n`` of them on the data axes, ZeRO state cut in ``slices``; 1 without ZeRO).
 
   On CPU devices (and TPUs): buckets padded to a multiple of ``n`` (CPU reduces them by
   reduce-scatter + all-gather), XLA's own compiler options. On GPUs: buckets padded for
-  ZeRO-1's equal shards only, offsets aligned to `GPU_ALIGN_BYTES`, every matrix (and
+  ZeRO's equal slices only, offsets aligned to `GPU_ALIGN_BYTES`, every matrix (and
   higher-rank leaf) in a bucket of its own (`GPU_SOLO_NDIM`), and XLA's
   all-reduce combiner at 8 MiB without its concatenation, and the reduce-scatter
   combiner off (`GPU_STEP_COMPILER_OPTIONS`). A user's plan options win.
@@ -481,5 +482,5 @@ def step_defaults(devices: Any, sharded: bool, n: int, fsdp: bool = False
   user = re.findall(r"--xla_disable_hlo_passes=(\S+)", os.environ.get("XLA_FLAGS", ""))
   if user:
     options["xla_disable_hlo_passes"] = ",".join([*user, options["xla_disable_hlo_passes"]])
-  return ({"num_shards": n if sharded else 1, "align_bytes": GPU_ALIGN_BYTES,
+  return ({"num_shards": slices, "align_bytes": GPU_ALIGN_BYTES,
            "solo_ndim": GPU_SOLO_NDIM}, options)

@@ -32,7 +32,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal
 
-from jpack._collectives import Shards, axis_size, gather_bucket, vary
+from jpack._collectives import Shards, axis_size, gather_bucket, mean_over, slice_axes, vary
 
 # The names the checkpoint policy leaves out of the saved residuals.
 _GATHERED = "jpack_gathered"
@@ -60,7 +60,8 @@ def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = F
   Args:
     loss_fn: ``loss_fn(params, *args)``, returning anything ``jax.grad`` takes
       (``has_aux`` pairs too).
-    axis_name: the axis the buckets are sliced over.
+    axis_name: the axis the buckets are sliced over, or ``(outer, inner)``: sliced over
+      ``inner``, the gradient averaged over both (as `jpack.optax.sharded` takes it).
     keep_gathered: keep the gathered buckets from the forward pass for the backward
       pass (faster, the memory of ZeRO-1) instead of gathering them again.
 
@@ -221,7 +222,7 @@ def carriers_for(shards: Shards, axis_name: Any) -> tuple[jax.Array, ...]:
   """The zero carriers of ``shards``: one slice per bucket in `wide_dtype`, varying over
   the axis as the gradient that comes back in them does."""
   return vary(tuple(jnp.zeros(b.shape, wide_dtype(b.dtype)) for b in shards.buckets),
-              axis_name)
+              slice_axes(axis_name)[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -229,7 +230,7 @@ def _gather(bucket: jax.Array, carrier: jax.Array, axis_name: Any) -> jax.Array:
   del carrier
   # Typed as varying: each device holds its own copy, so the loss's cotangent comes back
   # per device (an invariant copy would have it summed over the axis first).
-  return vary(gather_bucket(bucket, axis_name), axis_name)
+  return vary(gather_bucket(bucket, slice_axes(axis_name)[1]), axis_name)
 
 
 def _gather_fwd(bucket, carrier, axis_name):
@@ -239,10 +240,12 @@ def _gather_fwd(bucket, carrier, axis_name):
 def _gather_bwd(axis_name, residuals, ct):
   del residuals
   wide = wide_dtype(ct.dtype)
-  n = axis_size(axis_name)
+  replicas, axis = slice_axes(axis_name)
+  n = axis_size(axis)
   if ct.size == 0:
     return jnp.zeros((0,), ct.dtype), jnp.zeros((0,), wide)
-  mean = lax.psum_scatter(ct.astype(wide), axis_name, scatter_dimension=0, tiled=True) / n
+  mean = lax.psum_scatter(ct.astype(wide), axis, scatter_dimension=0, tiled=True) / n
+  mean = mean_over((mean,), replicas)[0]  # the slice's all-reduce across replicas
   return mean.astype(ct.dtype), mean
 
 

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jpack._collectives import Shards, axis_size, broadcast, is_varying, reduce_scatter, vary
+from jpack._collectives import (Shards, axis_size, broadcast, is_varying, mean_to_slices,
+                                slice_axes, vary)
 from jpack._fsdp import carriers_for, gradient_carrier, wide_dtype
 from jpack._layout import Layout, retyped
 from jpack._pack import Packed, unpack
@@ -210,16 +211,20 @@ def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: st
       return jax.tree.map(lambda g: g.astype(wide_dtype(g.dtype)), grads)
     grads = as_layout(grads, wide)
     if accumulator == "sharded" and params_as != "shards":  # ZeRO-2: only this slice kept
-      grads = reduce_scatter(grads, axis_name, mean=True, comm_dtype=comm_dtype)
+      grads = mean_to_slices(grads, axis_name, comm_dtype=comm_dtype)
     return grads
 
   def zeros(params):
     if not packed_params:
       return jax.tree.map(lambda p: jnp.zeros(p.shape, wide_dtype(p.dtype)), params)
     if accumulator == "sharded":
-      n = axis_size(axis_name)
+      n = axis_size(slice_axes(axis_name)[1])
       return Shards(tuple(jnp.zeros(b.size // n, b.dtype) for b in wide.buckets), wide)
     return Packed(tuple(jnp.zeros(b.size, b.dtype) for b in wide.buckets), wide)
+
+  # Slices come reduced over the replica axes: the sum over micro-batches varies only
+  # over the slice axis.
+  carry_axes = slice_axes(axis_name)[1] if accumulator == "sharded" else axis_name
 
   def grads_of(params, model_state, batch):
     micro = jax.tree.map(lambda x: x.reshape((accumulate, -1) + x.shape[1:]), batch)
@@ -234,7 +239,7 @@ def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: st
           lambda: one(params, model_state, jax.tree.map(lambda x: x[0], micro))[3]),
           axis_name)
     (total, model_state), (losses, aux) = lax.scan(
-        add, (vary(zeros(params), axis_name), model_state), micro)
+        add, (vary(zeros(params), carry_axes), model_state), micro)
     mean = jax.tree.map(lambda g: g / accumulate, total)
     if packed_params:
       mean = as_layout(mean, masters)

@@ -75,6 +75,65 @@ def count_collectives(hlo_text: str) -> Collectives:
   return Collectives(count, nbytes, arrays)
 
 
+_GROUPS_RE = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[\d+,\d+\]<=\[[\d,]+\]"
+                        r"(?:T\([\d,]+\))?)")
+
+
+def replica_groups(text: str) -> list[list[int]] | None:
+  """The device groups of the first ``replica_groups=`` in ``text``: the explicit form
+  ``{{0,1},{2,3}}`` or the iota form ``[2,2]<=[2,2]T(1,0)`` (an arange of the dims,
+  transposed, cut into the groups); None without one."""
+  m = _GROUPS_RE.search(text)
+  if not m:
+    return None
+  spec = m.group(1)
+  if spec.startswith("{"):
+    return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", spec)]
+  groups, dims, perm = re.fullmatch(r"\[(\d+,\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                                    spec).groups()
+  shape = [int(d) for d in dims.split(",")]
+  order = [int(d) for d in perm.split(",")] if perm else list(range(len(shape)))
+  ids = _transposed(list(range(math.prod(shape))), shape, order)
+  g, size = (int(d) for d in groups.split(","))
+  return [ids[i * size:(i + 1) * size] for i in range(g)]
+
+
+def _transposed(flat: list[int], shape: list[int], order: list[int]) -> list[int]:
+  """``np.arange(...).reshape(shape).transpose(order).ravel()`` without numpy."""
+  out_shape = [shape[o] for o in order]
+  strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+  out = []
+  for index in range(len(flat)):
+    rest, coords = index, []
+    for size in reversed(out_shape):
+      coords.append(rest % size)
+      rest //= size
+    coords.reverse()
+    out.append(flat[sum(c * strides[o] for c, o in zip(coords, order))])
+  return out
+
+
+def crossing_bytes(hlo_text: str, per_node: int) -> int:
+  """Operand bytes per device of the collectives whose replica groups hold devices of
+  more than one node (devices ``k * per_node ...`` to ``(k + 1) * per_node - 1`` make
+  node k): what a step puts on the network between nodes. Ops inside loops count once."""
+  total = 0
+  for line in hlo_text.splitlines():
+    line = _INDEX_COMMENT_RE.sub("", line)
+    m = _OP_RE.search(line)
+    groups = replica_groups(line) if m else None
+    if not groups or all(len({d // per_node for d in g}) == 1 for g in groups):
+      continue
+    kind = m.group("type")
+    if m.group("start") and kind.startswith("("):  # (operands, results): the first
+      total += _type_bytes(_SHAPE_RE.search(kind).group(0))
+      continue
+    result, size = _type_bytes(kind), len(groups[0])
+    total += {"reduce-scatter": result * size,
+              "all-gather": result // size}.get(m.group("op"), result)
+  return total
+
+
 def _operands(args: str) -> int:
   """Top-level comma-separated operands in ``args``, the text just past an op's ``(``."""
   depth, commas, seen = 0, 0, False

@@ -19,7 +19,7 @@ from jax import lax
 
 from jpack import _cpu as cpu
 from jpack._collectives import (Shards, axis_size, check_shardable, all_gather,
-                                reduce_scatter, shard)
+                                mean_to_slices, shard, slice_axes)
 from jpack._internal import sum_of_squares
 from jpack._labels import Inner, check_inner, group_fn_for, placed, split_partition
 from jpack._layout import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_LEAVES, Layout,
@@ -100,7 +100,9 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
       ``init`` probes which, on a miniature of the params. What needs more than a
       device's own leaves (``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`
       (``data_parallel(mode="packed")``) runs it on all the leaves.
-    axis_name: the data-parallel mesh / pmap axis.
+    axis_name: the data-parallel mesh / pmap axis, or ``(outer, inner)`` for hybrid
+      sharding: slices over ``inner`` (a node's devices), replicated over ``outer``
+      (the nodes), whose all-reduce carries only the slices.
     comm_dtype: wire dtype of the gradient reduce-scatter (see `jpack.psum`).
     param_dtype: mixed precision, as in `jpack.optax.flat`: the params are kept in this
       dtype, and the state keeps this device's slices of master copies in the dtype the
@@ -130,6 +132,8 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
   inner, labels = split_partition(inner)
   check_inner(inner, labels)
   plan_options = check_plan_options(plan_options, "jpack.optax.sharded", num_shards=1)
+  data_axes = axis_name  # gradients are averaged over all of them, sliced over the last
+  axis_name = slice_axes(axis_name)[1]
   where = "inside jpack.optax.sharded"
   arrange = ownership(inner, axis_name, where, plan_options)
 
@@ -176,7 +180,7 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
     if isinstance(packed, Shards):
       grads = packed
     else:
-      grads = reduce_scatter(packed, axis_name, mean=True, comm_dtype=comm_dtype)
+      grads = mean_to_slices(packed, data_axes, comm_dtype=comm_dtype)
     norm = jnp.sqrt(lax.psum(sum_of_squares(grads.buckets), axis_name))
     values = value_scalars(extra_args.get("value"))
     # Each update must come after the backward pass's last read of its params (else XLA

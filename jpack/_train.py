@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -14,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpack import _cpu as cpu
-from jpack._collectives import Shards, all_gather, assert_same_layout, broadcast, shard
+from jpack._collectives import (Shards, all_gather, assert_same_layout, broadcast, shard,
+                                slice_axes)
 from jpack._grads import (accumulated_grads, average_state, check_accumulate, check_loss_fn,
                           with_state)
 from jpack._internal import dtype_name, outside_jit
@@ -134,6 +136,7 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
                      "where the optimizer keeps master copies of the packed params; "
                      "mode='allreduce' runs the optimizer on the params tree as given.")
   mesh, axis_name = _check_mesh(mesh)
+  slice_axis = slice_axes(axis_name)[1]  # ZeRO slices: within a node on a (node, gpu) mesh
   check_inner(inner, labels)
   _check_not_flax_variables(params_like)
   sharded_mode = mode.name in SLICED
@@ -143,7 +146,7 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   _check_trainable(layout)
   where = f"inside data_parallel's optimizer (mode={mode.name!r})"
   if sharded_mode:  # whole leaves on each device, where the optimizer needs them
-    layout = sharded_layout(inner, layout, axis_name, where, **plan_options)
+    layout = sharded_layout(inner, layout, slice_axis, where, **plan_options)
   # The gradients' dtypes as the optimizer takes them: the masters', or the params'.
   masters = layout if param_dtype is None else master_layout(layout, params_like)
   if not sharded_mode:
@@ -171,7 +174,7 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), model_state)
 
   def kept(params):  # ZeRO-3 keeps this device's slices only
-    return shard(params, axis_name) if params_as == "shards" else params
+    return shard(params, slice_axis) if params_as == "shards" else params
 
   accumulator = "sharded" if mode.shard_accumulator else "local"
   grads_fn = accumulated_grads(with_state(loss_fn, has_aux), params_as, axis_name,
@@ -217,9 +220,11 @@ def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
   return _defaults(mesh, axis_name, _check_mode(mode))
 
 
-def _defaults(mesh: Mesh, axis_name: str, mode: Mode) -> tuple[dict[str, Any],
+def _defaults(mesh: Mesh, axis_name: Any, mode: Mode) -> tuple[dict[str, Any],
                                                                dict[str, Any]]:
-  return cpu.step_defaults(mesh.devices.flat, mode.name in SLICED, mesh.shape[axis_name],
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  slices = mesh.shape[names[-1]] if mode.name in SLICED else 1
+  return cpu.step_defaults(mesh.devices.flat, math.prod(mesh.shape[a] for a in names), slices,
                            fsdp=mode.name == "fsdp")
 
 
@@ -243,28 +248,51 @@ def _check_mode(mode: str | Mode) -> Mode:
   return mode
 
 
-def _check_mesh(mesh: Mesh | None) -> tuple[Mesh, str]:
-  """The mesh to run on (all devices by default) and its data-parallel axis."""
+def _check_mesh(mesh: Mesh | None) -> tuple[Mesh, Any]:
+  """The mesh to run on (all devices by default) and its data-parallel axes: one name,
+  or ``(outer, inner)`` for a two-level mesh (nodes x devices), whose ZeRO slices are
+  taken over the inner axis."""
   if mesh is None:
     mesh = jax.make_mesh((len(jax.devices()),), ("batch",),
                          axis_types=(jax.sharding.AxisType.Explicit,))
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
   names = [a for a, k in mesh.shape.items() if k > 1] or list(mesh.axis_names[-1:])
-  if len(names) > 1:
-    # The batch and state specs name one axis: the step would run replicated over the
-    # others, computing the same step several times.
-    raise ValueError(f"data_parallel needs a mesh with one data-parallel axis; the mesh "
-                     f"{dict(mesh.shape)} has {len(names)} axes of size > 1. Pass a mesh "
-                     f"of the data-parallel devices only, e.g. jax.make_mesh((n,), "
-                     f"('batch',)).")
-  return mesh, names[0]
+  if len(names) > 2:
+    # The batch and state specs name the data axes: the step would run replicated over
+    # the others, computing the same step several times.
+    raise ValueError(f"data_parallel takes a mesh of one data-parallel axis, or two "
+                     f"(nodes x devices, e.g. jax.make_mesh((nodes, per_node), ('node', "
+                     f"'gpu'))); the mesh {dict(mesh.shape)} has {len(names)} axes of size "
+                     "> 1. Pass a mesh of the data-parallel devices only.")
+  if len(names) == 1:
+    return mesh, names[0]
+  _check_axis_order(mesh, *names)
+  return mesh, tuple(names)
+
+
+def _check_axis_order(mesh: Mesh, outer: str, inner: str) -> None:
+  """The inner axis must not cross processes where the outer one stays in one: ZeRO
+  slices over the inner axis, and its collectives should run within a node."""
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  procs = np.moveaxis(procs, [mesh.axis_names.index(outer), mesh.axis_names.index(inner)],
+                      [-2, -1]).reshape(-1, mesh.shape[outer], mesh.shape[inner])
+  inner_crosses = any(len(set(row)) > 1 for grid in procs for row in grid)
+  outer_stays = any(len(set(col)) == 1 for grid in procs for col in grid.T)
+  if inner_crosses and outer_stays:
+    raise ValueError(
+        f"The mesh's inner data axis {inner!r} spans processes while its outer axis "
+        f"{outer!r} stays within one: data_parallel slices ZeRO state over the inner (last) "
+        f"axis, which should be a node's devices. Give the axis across processes first, e.g. "
+        f"jax.make_mesh((jax.process_count(), jax.local_device_count()), ('node', 'gpu')).")
 
 
 def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
                      tx: optax.GradientTransformationExtraArgs, mode: str, axis_name: str,
                      has_aux: bool) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
   """One device's step: loss -> gradient -> the mode's transformation -> apply."""
+
+  slice_axis = slice_axes(axis_name)[1]
 
   def local_step(state, batch):
     loss, aux, grads, model_state = grads_of(state.params, state.model_state, batch)
@@ -275,11 +303,11 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
     grads = after(grads, *firsts(aux))
     # ZeRO-1 updates this device's slice of the params, then gathers the new params;
     # ZeRO-3 keeps the slice, gathered by the next step's forward pass.
-    target = shard(state.params, axis_name) if mode == "sharded" else state.params
+    target = shard(state.params, slice_axis) if mode == "sharded" else state.params
     updates, opt_state = tx.update(grads, state.opt_state, target, value=loss)
     params = optax.apply_updates(target, updates)
     if mode == "sharded":
-      params = all_gather(params, axis_name)
+      params = all_gather(params, slice_axis)
     metrics = {"loss": loss, "grad_norm": _grad_norm(opt_state)}
     if has_aux:
       metrics["aux"] = aux
@@ -475,7 +503,7 @@ def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainSt
   """Replicated everywhere, except the optimizer's slices (ZeRO-1 and -3) and the params'
   (ZeRO-3), which are split over the axis."""
   def split(x):
-    return P(axis_name) if (mode in SLICED and x.ndim >= 1) else P()
+    return P(slice_axes(axis_name)[1]) if (mode in SLICED and x.ndim >= 1) else P()
 
   return TrainState(jax.tree.map(split if mode == "fsdp" else (lambda _: P()),
                                  state_shapes.params),

@@ -1,10 +1,9 @@
-"""Checkpoints of a run on 2 processes x 2 CPU devices (gloo on 127.0.0.1), restored in
-one process on other device counts.
+"""Training on a two-level mesh of 2 processes x 4 CPU devices (gloo on 127.0.0.1), and
+its checkpoints restored in one process on other meshes.
 
-tests/mp/ckpt_worker.py trains in the sharded and the packed mode over the 4 global
-devices, saves at step SAVE with `jpack.checkpoint.save` (every process calls it),
-trains on to TOTAL, and restores each checkpoint into the other mode on the same
-processes. Here, in one process on 8 CPU devices (conftest.py), each checkpoint is
+tests/mp/ckpt_worker.py trains in every mode on the ("node", "gpu") = (2, 4) mesh, saves
+at step SAVE with `jpack.checkpoint.save` (every process calls it), trains on to TOTAL,
+and restores each checkpoint into another mode on the same processes. Here, in one process on 8 CPU devices (conftest.py), each checkpoint is
 restored on 8 and 2 devices, checked against plain optax on one device at step SAVE,
 and trained on to TOTAL, where it must match the multi-process runs.
 """
@@ -27,7 +26,7 @@ from test_train import data, init_cnn, loss_fn
 
 HERE = pathlib.Path(__file__).parent
 SAVE, TOTAL = 3, 5  # as in mp/ckpt_worker.py
-MODES = ("sharded", "packed")
+MODES = ("sharded", "packed", "fsdp", "allreduce")  # as in mp/ckpt_worker.py
 
 
 def free_port():
@@ -42,14 +41,14 @@ def multiprocess_run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("ckpt_mp")
   port = free_port()
   env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-  env.pop("XLA_FLAGS", None)  # the workers have 2 devices each, not conftest's 8
+  env.pop("XLA_FLAGS", None)  # the workers have 4 devices each, not conftest's 8
   outs = [tmp / f"p{i}.json" for i in range(2)]
   procs = [subprocess.Popen([sys.executable, str(HERE / "mp" / "ckpt_worker.py"), str(i), "2",
                              str(port), str(tmp / "ckpt"), str(outs[i])], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
   try:
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    logs = [p.communicate(timeout=480)[0] for p in procs]
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
@@ -93,7 +92,7 @@ def assert_close(got, want, tol):
                                rtol=tol, atol=tol / 10, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_processes_agree_and_restore_each_others_checkpoints(multiprocess_run):
   _, results = multiprocess_run
   want, _ = reference(TOTAL)
@@ -106,10 +105,20 @@ def test_processes_agree_and_restore_each_others_checkpoints(multiprocess_run):
       assert_close(r["restored_final"][mode], r["final"][mode], 1e-5)
 
 
-@pytest.mark.timeout(300)
+def test_the_inner_axis_across_processes_is_refused(multiprocess_run):
+  _, results = multiprocess_run
+  for r in results:
+    error = str(r["order_error"])
+    assert "inner data axis 'gpu' spans processes" in error
+    assert "jax.make_mesh((jax.process_count(), jax.local_device_count())" in error
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode,n,new_mode", [("sharded", 8, "sharded"),
                                              ("packed", 2, "sharded"),
-                                             ("sharded", 1, "packed")])
+                                             ("sharded", 1, "packed"),
+                                             ("fsdp", 8, "fsdp"),
+                                             ("fsdp", 1, "packed")])
 def test_a_multiprocess_checkpoint_restores_in_one_process(multiprocess_run, mode, n,
                                                            new_mode):
   directory, results = multiprocess_run

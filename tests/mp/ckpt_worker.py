@@ -1,7 +1,8 @@
-"""One process of the 2-process x 2-CPU-device checkpoint test (run by
+"""One process of the 2-process x 4-CPU-device checkpoint test (run by
 tests/test_checkpoint_multiprocess.py).
 
-Trains in the sharded and the packed mode over the 4 global devices, saves each run with
+Trains in every mode on a two-level mesh, ("node", "gpu") = (2 processes, 4 devices
+each): ZeRO slices over "gpu" within a process, replicated over "node". Saves each run with
 `jpack.checkpoint.save` at step SAVE (every process calls it, as Orbax requires),
 trains on to TOTAL, then restores each checkpoint into the other mode's run, here too on
 several processes, and trains that on to TOTAL. Writes every run's final params (and the
@@ -16,7 +17,7 @@ import jax
 
 proc, nproc, port, directory, out = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                      pathlib.Path(sys.argv[4]), sys.argv[5])
-jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=proc,
@@ -30,8 +31,10 @@ import jpack  # noqa: E402
 from test_train import data, init_cnn, loss_fn  # noqa: E402
 
 SAVE, TOTAL = 3, 5
-MODES = ("sharded", "packed")
-mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+MODES = ("sharded", "packed", "fsdp", "allreduce")
+# The outer axis across processes (nodes), the inner one within a process (a node's GPUs).
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+mesh = jax.sharding.Mesh(np.array(devices).reshape(nproc, -1), ("node", "gpu"))
 x, y = data(TOTAL)
 
 
@@ -65,7 +68,14 @@ for mode, dp in runs.items():
     state = train(dp, state, SAVE, TOTAL)
   result["final"][mode] = final_params(dp, state)
 
-# Each checkpoint restored into the other mode on the same processes; jpack.checkpoint.restore
+# The axes the other way round (the inner axis across processes) are refused.
+try:
+  jpack.data_parallel(loss_fn, optax.adam(1e-2), params,
+                      jax.sharding.Mesh(mesh.devices.T, ("node", "gpu")), mode="sharded")
+except ValueError as e:
+  result["order_error"] = str(e)
+
+# Each checkpoint restored into another mode on the same processes; jpack.checkpoint.restore
 # gives host values, which dp.step places as global arrays. `like` is abstract for one
 # (jax.eval_shape(dp.init, ...)), a real state for the other (its values are not read).
 for mode, other in zip(MODES, MODES[::-1]):

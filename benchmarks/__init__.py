@@ -12,6 +12,7 @@ BENCHMARKS = {
     "optimizer": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},  # torch shares the GPU
     "checkpoint": {},
     "gpu_compile": {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"},
+    "multinode": {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"},
     "startup": {},
     "compare": {},
 }

@@ -42,7 +42,7 @@ Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
 
 def load_results(results_dir: pathlib.Path = RESULTS_DIR,
                  names: Iterable[str] = ("step", "collectives", "pack", "optimizer",
-                                         "checkpoint", "gpu_compile", "startup")
+                                         "checkpoint", "gpu_compile", "startup", "multinode")
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
   found = {}
@@ -525,6 +525,20 @@ def render_gpu_compile(results: Results) -> str:
   return "\n\n".join(parts)
 
 
+def render_multinode(results: Results) -> str:
+  """Each model's steps compiled for 8 nodes x 8 H100s: bytes across nodes, overlap,
+  memory."""
+  doc = results.get("multinode")
+  tables = _tables(doc, "variant", "cross-node MiB") if doc else []
+  if not tables:
+    return _missing("multinode")
+  parts = [x for t in tables for x in (f"**{t['title']}**", _select(t, t["columns"]))]
+  m = doc.get("machine", {})
+  parts.append(f"Compiled for 64 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
+               f"{m.get('cpu', 'unknown CPU')}; jax {m.get('jax', '?')}. {_commands(doc)}.")
+  return "\n\n".join(parts)
+
+
 def _commands(doc: Mapping[str, Any]) -> str:
   """"Command: `...`", or "Commands: `...`, `...`" for results merged from runs."""
   commands = doc.get("commands", [doc.get("command", "?")])
@@ -544,6 +558,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "checkpoint": render_checkpoint,
     "gpu_compile": render_gpu_compile,
     "startup": render_startup,
+    "multinode": render_multinode,
 }
 
 

@@ -456,35 +456,15 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
   and mode (``jpack.checkpoint.save``).
 
   Call it after every step: when the manager's save policy skips ``step`` it returns
-  False at once, without touching the state. Otherwise it copies the state to the host
-  in its saved form (below) and hands it to ``manager.save``; with asynchronous
-  checkpointing (Orbax's default) it returns while the files are still being written,
-  and the next steps run meanwhile. A save that never finishes (the process killed
-  during it) leaves no finished checkpoint: ``jpack.checkpoint.restore`` takes the last
-  finished one.
-
-  The saved form is the same in every mode (``"packed"``, ``"sharded"``,
-  ``"allreduce"``) and on every device count: item ``"state"`` holds ``{"params": the
-  params tree, "opt_state": the optimizer's state on the params tree (as
-  ``optimizer.init(params)`` has it; with master copies
-  (``precision=jpack.Precision(param_dtype=...)``), ``{"inner_state": ...,
-  "master": ...}``), "step": the step count, "key": the key's data (if given),
-  "model_state": (if the state has one)}``, each of the trees params, opt_state and
-  model_state written as one flat array per dtype (its leaves of that dtype raveled and
-  concatenated in leaf order; scalars, such as step counts, kept apart): Orbax's cost
-  grows with the number of arrays. Item ``"meta"`` (JSON) holds the key paths, shapes
-  and dtypes of every leaf of those trees, the params' fingerprint and the key's
-  implementation, which ``jpack.checkpoint.restore`` checks before restoring, and slices
-  the flat arrays by. The gradient norm the step keeps for logging is not saved.
-
-  On several processes (``jax.distributed``), every process calls it, for the same
-  ``step``, with a manager on the same directory (a file system they share) and the
-  global state of the same run: Orbax's save is collective. Each process copies the
-  whole state to its host (ZeRO-1 slices it does not hold come from the others through
-  ``multihost_utils.process_allgather``, also collective), and process 0 writes the
-  arrays and ``"meta"`` (Orbax writes numpy arrays as replicated values, from process 0
-  only): the ``key`` saved is process 0's. The checkpoint is the same as one process
-  would write, and restores on any number of processes and devices.
+  False at once. Otherwise it copies the state to the host in its saved form and hands
+  it to ``manager.save``; with asynchronous checkpointing (Orbax's default) the next
+  steps run while the files are written, and a save that never finishes leaves no
+  finished checkpoint. The saved form is the same in every mode and on every device
+  count: the params tree, the optimizer state as ``optimizer.init(params)`` has it, the
+  step, the key and the model state, each tree one flat array per dtype, with their key
+  paths, shapes and dtypes in item ``"meta"`` (docs/howto/checkpoints.md). On several
+  processes every process calls it, for the same ``step``, with a manager on a shared
+  directory (Orbax's save is collective); process 0 writes.
 
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``.
@@ -499,8 +479,7 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
     Whether a save was started.
 
   Raises:
-    ValueError: ``step`` is not the state's step count, or the state is one of a
-      hand-written ``jax.pmap`` step (one row per device).
+    ValueError: ``step`` is not ``state.step``, or the state is a ``jax.pmap`` step's.
 
   Examples:
     >>> import tempfile, jax, jax.numpy as jnp, optax, jpack
@@ -508,11 +487,9 @@ def save_checkpoint(manager: Any, step: int, state: Any, *, key: jax.Array | Non
     >>> params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
     >>> dp = jpack.data_parallel(lambda p, x: jnp.mean(x @ p["w"] + p["b"]),
     ...                          optax.adam(0.1), params)
-    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
-    >>> jpack.checkpoint.save(manager, 0, dp.init(params), key=jax.random.key(0))
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
+    ...   jpack.checkpoint.save(manager, 0, dp.init(params), key=jax.random.key(0))
     True
-    >>> manager.wait_until_finished()
-    >>> manager.close()
   """
   if not force and not manager.should_save(step):
     return False
@@ -536,32 +513,25 @@ def restore_checkpoint(manager: Any, like: Any, *, step: int | None = None
   """Restore what ``jpack.checkpoint.save`` saved, onto a new run of any device count and
   mode (``jpack.checkpoint.restore``).
 
-  Checks the checkpoint's metadata before reading any array: the params must have the
-  key paths, shapes and dtypes of ``like``'s, and the saved optimizer state the
-  structure, shapes and dtypes the new run's optimizer state has on the params tree.
-
-  On several processes, every process calls it and reads the whole state.
+  Checks the checkpoint's metadata before reading any array: the params' and the
+  optimizer state's key paths, shapes and dtypes must be ``like``'s (the optimizer state
+  as on the params tree). On several processes, every process calls it.
 
   Args:
     manager: an ``orbax.checkpoint.CheckpointManager``, or the directory it writes to.
-    like: the new run's `jpack.TrainState` (its values are not read) or, computing
-      nothing, ``jax.eval_shape(dp.init, params)`` (``dp`` the new
-      ``jpack.data_parallel``, on any mesh and in any mode; with ``model_state``,
-      ``jax.eval_shape(dp.init, params, model_state)``).
+    like: the new run's `jpack.TrainState`, or ``jax.eval_shape(dp.init, params)``
+      (``dp`` the new ``jpack.data_parallel``, on any mesh, in any mode).
     step: the step to restore; default: the latest finished one.
 
   Returns:
-    ``(state, key)``: a `jpack.TrainState` like ``like`` holding the saved values, as
-    host values (``dp.step`` places them on its mesh), and the saved PRNG key (typed if
-    it was saved typed), or None if none was saved.
+    ``(state, key)``: a `jpack.TrainState` like ``like`` of host values (``dp.step``
+    places them), and the saved PRNG key, or None if none was saved.
 
   Raises:
     FileNotFoundError: the directory holds no finished checkpoint (or none for
       ``step``), e.g. only one whose save was interrupted.
-    ValueError: the checkpoint is of another model (naming the first param that
-      differs, and both fingerprints), of another optimizer or another
-      ``jpack.Precision(param_dtype=...)`` (naming the first key path of the state
-      that differs), or was not written by ``jpack.checkpoint.save``.
+    ValueError: the checkpoint is of another model, optimizer or precision (naming the
+      first key path that differs), or was not written by ``jpack.checkpoint.save``.
 
   Examples:
     >>> import tempfile, jax, jax.numpy as jnp, optax, jpack

@@ -239,29 +239,21 @@ def plan(
   Args:
     tree: a pytree whose leaves are arrays (jax or numpy), Python scalars, or
       `jax.ShapeDtypeStruct`s. Only shapes and dtypes are read.
-    bucket_bytes: a bucket closes when adding a leaf would take it past this many
-      bytes. A leaf bigger than the cap gets a bucket of its own; a zero-size leaf
-      never closes one.
-    first_bucket_bytes: cap of the first bucket of each group (DDP uses 1 MiB so the
-      first collective starts early). Defaults to ``bucket_bytes``.
-    max_leaves: a bucket closes when it holds this many leaves (bounds compile time).
-      ``None`` for no limit.
+    bucket_bytes: a bucket closes when adding a leaf would take it past this many bytes.
+    first_bucket_bytes: cap of each group's first bucket (default ``bucket_bytes``).
+    max_leaves: a bucket closes when it holds this many leaves (``None``: no limit).
     align_bytes: every leaf offset is a multiple of this many bytes (a power of two).
     num_shards: every bucket length is a multiple of ``num_shards`` times the
       alignment, so it can be reduce-scattered into equal, aligned shards.
     reverse: fill buckets from the last leaf backwards, the order in which a backward
       pass produces gradients.
-    group_fn: ``group_fn(path, leaf) -> label``; leaves with different labels never
-      share a bucket (e.g. to give weight-decayed and non-decayed parameters separate
-      buckets). ``path`` is the `jax.tree_util.keystr` of the leaf. Labels are compared
-      and stored as ``str(label)`` (``None`` stays ``None``).
+    group_fn: ``group_fn(path, leaf) -> label`` (``path``: the leaf's
+      `jax.tree_util.keystr`); leaves whose labels differ as ``str`` never share a bucket.
     solo_bytes: a leaf of at least this many bytes gets a bucket of its own (packing it
-      is then a reshape, not a copy); the open bucket of its group stays open for the
-      next leaves. Default 1 MiB; ``None`` to pack big leaves with others like any leaf.
-    solo_ndim: a leaf of at least this many dimensions gets a bucket of its own, whatever
-      its size (``None``, the default: none). ``jpack.data_parallel`` sets 2 on GPUs,
-      where a matmul reads its weight from its own bucket, but would copy it out of a
-      shared one.
+      is a reshape, not a copy); ``None`` to pack big leaves with others.
+    solo_ndim: a leaf of at least this many dimensions gets a bucket of its own
+      (``None``: none; ``jpack.data_parallel`` sets 2 on GPUs, where a matmul would
+      copy its weight out of a shared bucket).
 
   Returns:
     A hashable `Layout`.

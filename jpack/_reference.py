@@ -543,12 +543,13 @@ def per_leaf_step(loss_fn: Callable, optimizer: Any, params: Any, mesh: Any, *,
 
 
 def zero1_sharding(x: Any, mesh: Any) -> Any:
-  """``x`` split over the mesh's first axis along its largest dimension that splits
-  evenly (the first of equal ones); replicated when none does, as adam's step count."""
+  """``x`` split over the mesh's last axis (a node's devices, on a (node, gpu) mesh)
+  along its largest dimension that splits evenly (the first of equal ones); replicated
+  when none does, as adam's step count."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  axis = mesh.axis_names[0]
+  axis = mesh.axis_names[-1]
   n = mesh.shape[axis]
   for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
     if x.shape[d] and x.shape[d] % n == 0:
@@ -560,7 +561,7 @@ def jit_step(loss_fn: Callable, optimizer: Any, params: Any, mesh: Any, *,
              param_dtype: Any = None, accumulate: int = 1, shard_state: bool = False,
              shard_params: bool = False) -> Any:
   """Data parallelism as plain ``jax.jit`` gives it: a step over global arrays, params
-  replicated and the batch split over the mesh's first axis by their shardings. XLA
+  replicated and the batch split over the mesh's axes by their shardings. XLA
   partitions the step and inserts the gradient all-reduces itself.
 
   ``shard_state``: the optimizer state split over the axis (`zero1_sharding`), so XLA
@@ -579,9 +580,9 @@ def jit_step(loss_fn: Callable, optimizer: Any, params: Any, mesh: Any, *,
 
   import jpack
 
-  axis = mesh.axis_names[0]
+  axis = mesh.axis_names  # the batch is split over every axis
   replicated = NamedSharding(mesh, P())
-  n = mesh.shape[axis]
+  n = mesh.size
   loss_fn = loss_in(loss_fn, param_dtype)
   optimizer = _multi_steps(optimizer, accumulate)
   like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)

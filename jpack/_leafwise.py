@@ -1,23 +1,8 @@
-"""Per-leaf transformations computed on buckets: lamb's trust ratio, weight-decay masks
-and global-norm clipping.
-
-Two parts of the optimizers users bring first read each leaf as a whole, yet need only
-one number per leaf: `optax.scale_by_trust_ratio` (in lamb, lars, fromage) scales each
-leaf's update by the ratio of two norms, and `optax.masked` (``adamw(mask=...)``,
-``lamb(mask=...)``) selects per leaf. On buckets they need no unpacking: a leaf's norm is
-a sum over its range of the bucket, and a per-leaf value is spread back over that range.
-On ZeRO-1's slices the sums are partial: one small ``psum`` of every leaf's sums over
-the devices completes them, so each device keeps 1/N of every bucket and owns no leaf.
-
-The ranges come from the static `Layout`. Leaf offsets are aligned, so every block of
-``align`` elements (or more: any size that divides every offset) lies in one leaf's range
-and the gap after it: the bucket is summed block by block, and a static table gives each
-block's leaf. A device's slice starts at ``axis_index * slice length``, and reads its part
-of the table there, so the same program serves every device.
-
-`on_buckets` recognises these transformations as optax builds them (by their update
-function's code, as `jpack._labels.chain_parts` recognises a chain), and returns None for
-anything else.
+"""Per-leaf transformations computed on buckets: lamb's trust ratio, static weight-decay
+masks, global-norm clipping. A leaf's norm is a sum over its range of a bucket (on ZeRO-1
+slices, partial sums completed by one small psum), and a per-leaf value is spread back
+over that range. Offsets are aligned, so a bucket is summed block by block, a static
+table giving each block's leaf; a slice reads its part of the table.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The optimizer check: where an optax transformation may run on buckets or slices.
 
-`jpack.optax.flat`, `jpack.optax.sharded` and `jpack.data_parallel` run a transformation
-on 1-D buckets that mix many leaves, or on each device's slice of them. `checker` reads
-the transformation's parts from the table of known ones (`jpack._known`). A part not in
-the table is probed once per process: ``init`` and three ``update`` calls on a miniature
-of the params (float64, its own scale per leaf, a 1024 times larger second gradient, a
-NaN in the third), on the tree and the way jpack would run it (buckets, two simulated
-devices' slices, or each device's own leaves), compared leaf by leaf and state by state.
-
-Outcomes: a part that buckets or slices would change runs on the leaves (its name is
-returned to `jpack._labels.placed`); what cannot run (a collective over an axis that is
-already reduced, more than a device's own leaves on ZeRO-1, optax raising on these
-params) raises a `TypeError` naming the transformation and what to use instead. The
-probe runs in a worker thread (its own trace, no bound axes, 64-bit types), jitted.
-Limits: behaviour that random values never trigger is not seen.
+`checker` reads a transformation's parts from the table of known ones (`jpack._known`);
+a part not in the table is probed once per process: ``init`` and three ``update`` calls
+on a miniature of the params (float64, a scale per leaf, a 1024 times larger second
+gradient, a NaN in the third), on the tree and as jpack would run it (buckets, two
+simulated devices' slices, or each device's own leaves), compared leaf by leaf, state
+too. It runs jitted in a worker thread (its own trace, no bound axis, 64-bit types).
+What random values never trigger is not seen.
 """
 
 from __future__ import annotations
@@ -104,16 +97,15 @@ def _outcome(part: Part, slots: list, on: str, axis_name: Any) -> tuple[int, Any
   if part.kind is COLLECTIVE:
     return REFUSE, _collective(part.name, on, None)
   if part.kind is not None:
+    reason = ("it reduces over or divides by a leaf's dims" if part.kind.owned_unit == OK
+              else "it reads statistics of the whole gradient (or of several leaves), "
+              "which a device that owns only some leaves does not have")
     outcome = getattr(part.kind, on)
-    reason = (f"on {_TARGETS[on]}, it reads statistics of the whole gradient (or of "
-              "several leaves), which a device that owns only some leaves does not have.")
-    if on == "owned" and part.kind.owned_unit == OK:
-      reason = f"on {_TARGETS[on]}, it reduces over or divides by a leaf's dims."
-    return outcome, _Refusal(part.name, reason) if outcome == REFUSE else None
+    return outcome, _Refusal(part.name, f"on {_TARGETS[on]}, {reason}.") if outcome else None
   spec = _miniature(slots)
   if not spec:
     return OK, None
-  key = (_identity(part.tx), spec, on, axis_name if on == "slices" else None)
+  key = (identity(part.tx), spec, on, axis_name if on == "slices" else None)
   try:
     found, verdict = _VERDICTS.get((key,))
   except TypeError:  # an unhashable part (a transformation object of the user's own)
@@ -125,8 +117,7 @@ def _outcome(part: Part, slots: list, on: str, axis_name: Any) -> tuple[int, Any
 
 
 class Recent:
-  """Values kept for the process, the least recently used dropped beyond ``limit``
-  (the probe's verdicts, `jpack.optax.flat`'s checks that passed). Thread-safe."""
+  """Values kept for the process, the least recently used dropped beyond ``limit``."""
 
   def __init__(self, limit: int):
     self.limit = limit
@@ -134,7 +125,6 @@ class Recent:
     self.lock = threading.Lock()
 
   def get(self, keys: tuple[Any, ...]) -> tuple[bool, Any]:
-    """(found, value) for the first of ``keys`` kept."""
     with self.lock:
       for key in keys:
         if key in self.kept:
@@ -157,12 +147,8 @@ def identity(inner: Any) -> Any:
   ``update`` by identity, kept alive by the key); a dict of them: its items."""
   if isinstance(inner, Mapping):
     return tuple((label, identity(tx)) for label, tx in inner.items())
-  return _identity(inner)
-
-
-def _identity(tx: Any) -> Any:
-  init, update = getattr(tx, "init", None), getattr(tx, "update", None)
-  return tx if init is None or update is None else (type(tx), init, update)
+  init, update = getattr(inner, "init", None), getattr(inner, "update", None)
+  return inner if init is None or update is None else (type(inner), init, update)
 
 
 def described(inner: Any) -> str:

@@ -102,17 +102,11 @@ class Part(NamedTuple):
   everywhere: bool = True  # it runs on every leaf (not selected by a mask or labels)
 
 
-def update_of(tx: Any) -> Callable[..., Any] | None:
-  """``tx``'s update function (a bound method's function), or None."""
-  update = getattr(tx, "update", None)
-  return getattr(update, "__func__", update)
-
-
 def key_of(tx: Any) -> tuple[str, str] | None:
-  """(module, qualified name) of ``tx``'s update function, or None."""
-  code = getattr(update_of(tx), "__code__", None)
-  return None if code is None else (getattr(update_of(tx), "__module__", "") or "",
-                                    code.co_qualname)
+  """(module, qualified name) of ``tx``'s update function (a method's too), or None."""
+  update = getattr(getattr(tx, "update", None), "__func__", getattr(tx, "update", None))
+  code = getattr(update, "__code__", None)
+  return None if code is None else (getattr(update, "__module__", "") or "", code.co_qualname)
 
 
 def parts(tx: Any, everywhere: bool = True) -> list[Part]:
@@ -149,7 +143,7 @@ def _transformations(values: list[Any]) -> list[Any]:
   """The transformations among ``values``, in dicts, tuples and lists too."""
   found = []
   for value in values:
-    if isinstance(value, optax.GradientTransformation):
+    if isinstance(value, optax.GradientTransformation):  # a tuple itself: first
       found.append(value)
     elif isinstance(value, (dict, tuple, list)):
       found += _transformations(list(value.values() if isinstance(value, dict) else value))

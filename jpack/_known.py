@@ -129,7 +129,10 @@ def parts(tx: Any, everywhere: bool = True) -> list[Part]:
     return found + parts(multi._opt, everywhere)
   inner = closure(tx.update)
   if "inner_factory" in inner:  # inject_hyperparams builds its inner at every update
-    return found + parts(injected(tx), everywhere)
+    try:
+      return found + parts(injected(tx), everywhere)
+    except Exception:  # noqa: BLE001 - a factory that needs other values: probed whole
+      return [found[0]._replace(kind=None)]
   for sub in chain_parts(tx) or _transformations(list(inner.values())):
     found += parts(sub, everywhere)
   return found

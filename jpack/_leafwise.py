@@ -44,8 +44,11 @@ def on_buckets(tx: Any, layout: Layout, axis_name: Any,
     return on_buckets(closure(tx.update)["tx"], layout, axis_name, needs_leaves)
   swap = lambda part: on_buckets(part, layout, axis_name, needs_leaves)  # noqa: E731
   if "inner_factory" in closure(tx.update):  # inject_hyperparams: what it builds, swapped
-    return None if _chained(injected(tx), swap, needs_leaves) is None else with_factory(
-        tx, lambda built: _chained(built, swap, needs_leaves))
+    try:
+      example = _chained(injected(tx), swap, needs_leaves)
+    except Exception:  # noqa: BLE001 - a factory that needs other values: on the leaves
+      return None
+    return example and with_factory(tx, lambda built: _chained(built, swap, needs_leaves))
   found = closure(tx.update)
   if key == _CLIP and "max_norm" in found and all(
       jnp.issubdtype(b.dtype, jnp.inexact) for b in layout.buckets):

@@ -1,19 +1,7 @@
-"""How a user's optimizer runs over a tuple of buckets: labels, extra arguments, and
-the parts that need the leaves.
-
-`jpack.optax.flat`, `jpack.optax.sharded` and `jpack.data_parallel` take an optax
-transformation, or a `partition` of several by per-leaf labels, as
-`optax.partition`. Leaves of different labels get different buckets, and each
-bucket is updated by its label's transformation.
-
-A transformation that reads each leaf's shape or values (lamb's trust ratio, adafactor's
-factored moments, a weight-decay mask) computes something else on buckets. Where every
-device holds the whole gradient (`jpack.optax.flat`), `placed` runs it on the leaves
-instead: the buckets are unpacked into the params tree, it runs there as optax runs it,
-and its updates are packed back. An `optax.chain` is split, so that only its parts that
-need the leaves run on them (adam's moments stay on buckets). A part that jpack can
-compute leaf by leaf on the buckets (a trust ratio, a static mask: `by_leaf`) stays on
-them too.
+"""How a user's optimizer runs over a tuple of buckets: labels (`partition`), extra
+update arguments, and `placed`, which runs the parts that buckets would change on the
+leaves (unpacked into the params tree, their updates packed back): of a chain, only
+those parts.
 """
 
 from __future__ import annotations
@@ -60,18 +48,14 @@ def partition(transforms: Mapping[Any, optax.GradientTransformation],
               param_labels: Labels) -> optax.GradientTransformationExtraArgs:
   """`optax.partition` that jpack can read: one transformation per label of the params.
 
-  It runs as `optax.partition` does wherever optax runs, and `jpack.data_parallel`,
-  `jpack.optax.flat` and `jpack.optax.sharded` read its labels to give each label its
-  own buckets (a mask of optax's would see buckets, not leaves there).
+  It runs as `optax.partition` does, and jpack gives each label its own buckets.
 
   Args:
     transforms: ``{label: transformation}``; ``optax.set_to_zero()`` freezes leaves.
-    param_labels: a tree of labels like the params (or a prefix of it), or a function
-      ``params -> such a tree``.
+    param_labels: a tree of labels like the params (or a prefix), or a function of them.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` carrying ``transforms`` and
-    ``param_labels``.
+    An `optax.GradientTransformationExtraArgs` with ``transforms`` and ``param_labels``.
 
   Examples:
     >>> import optax, jpack
@@ -216,27 +200,19 @@ def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | Non
                lambda tx: None),
            ) -> tuple[optax.GradientTransformationExtraArgs, tuple[str, ...], bool,
                       tuple[str, ...]]:
-  """``inner`` as one transformation over the tuple of buckets, with the parts that
-  buckets would change running on the leaves.
+  """``inner`` over the tuple of buckets, the parts buckets would change on the leaves.
 
   Args:
-    inner: the user's transformation, or a dict of them with labels in ``layout``.
-    layout: the buckets' layout (its bucket labels select a dict's transformations).
-    needs_leaves: ``needs_leaves(tx)`` is None when ``tx`` computes the same on buckets
-      as on the leaves, else the name of the transformation that differs (the probe).
-    leaves: ``leaves(tx, layout)`` runs ``tx`` on the leaves, taking and returning
-      tuples of buckets; default `on_leaves` (the whole params tree). ZeRO-1 passes
-      `jpack._owned.on_owned` (each device's own leaves, from its shards).
-    by_leaf: ``by_leaf(tx)`` is ``tx`` computed on the buckets leaf by leaf
-      (`jpack._leafwise.on_buckets`: a trust ratio, a static mask), or None.
+    inner: the user's transformation, or a dict of them by the labels in ``layout``.
+    layout: the buckets' layout.
+    needs_leaves: the check: None where ``tx`` runs on buckets, else the name that differs.
+    leaves: runs ``tx`` on the leaves (default `on_leaves`; ZeRO-1: owned leaves).
+    by_leaf: ``tx`` computed on the buckets leaf by leaf, or None.
 
   Returns:
-    ``(tx, on_leaves, whole, by_leaf)``: ``tx`` takes and returns tuples of buckets,
-    and its state is ``inner``'s (an `optax.chain`'s tuple of states, each part's on
-    buckets or on the params tree); ``on_leaves`` names the transformations that
-    buckets would change (empty: all of ``inner`` runs on buckets); ``whole``: all of
-    ``inner`` runs on the leaves; ``by_leaf`` names those computed leaf by leaf on the
-    buckets instead.
+    ``(tx, on_leaves, whole, by_leaf)``: ``tx`` on tuples of buckets, with ``inner``'s
+    state; the names of the parts run on the leaves; whether all of ``inner`` is; the
+    names of the parts computed leaf by leaf.
   """
   culprit = needs_leaves(inner)
   if culprit is None:

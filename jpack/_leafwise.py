@@ -1,28 +1,12 @@
-"""Per-leaf transformations computed on buckets: lamb's trust ratio, weight-decay masks
-and global-norm clipping.
-
-Two parts of the optimizers users bring first read each leaf as a whole, yet need only
-one number per leaf: `optax.scale_by_trust_ratio` (in lamb, lars, fromage) scales each
-leaf's update by the ratio of two norms, and `optax.masked` (``adamw(mask=...)``,
-``lamb(mask=...)``) selects per leaf. On buckets they need no unpacking: a leaf's norm is
-a sum over its range of the bucket, and a per-leaf value is spread back over that range.
-On ZeRO-1's slices the sums are partial: one small ``psum`` of every leaf's sums over
-the devices completes them, so each device keeps 1/N of every bucket and owns no leaf.
-
-The ranges come from the static `Layout`. Leaf offsets are aligned, so every block of
-``align`` elements (or more: any size that divides every offset) lies in one leaf's range
-and the gap after it: the bucket is summed block by block, and a static table gives each
-block's leaf. A device's slice starts at ``axis_index * slice length``, and reads its part
-of the table there, so the same program serves every device.
-
-`on_buckets` recognises these transformations as optax builds them (by their update
-function's code, as `jpack._labels.chain_parts` recognises a chain), and returns None for
-anything else.
+"""Per-leaf transformations computed on buckets: lamb's trust ratio, static weight-decay
+masks, global-norm clipping. A leaf's norm is a sum over its range of a bucket (on ZeRO-1
+slices, partial sums completed by one small psum), and a per-leaf value is spread back
+over that range. Offsets are aligned, so a bucket is summed block by block, a static
+table giving each block's leaf; a slice reads its part of the table.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Callable
 
@@ -32,89 +16,80 @@ import numpy as np
 import optax
 from jax import lax
 
+from jpack._known import closure, injected, key_of, with_factory
+from jpack._labels import chain_parts
 from jpack._layout import Bucket, Layout
-
-# The code of the update functions recognised, from instances built here.
-_EXTRA_ARGS_CODE = optax.with_extra_args_support(
-    optax.GradientTransformation(lambda p: None, lambda u, s, p=None: (u, s))).update.__code__
-_TRUST_RATIO_CODE = optax.scale_by_trust_ratio().update.__code__
-_MASKED_CODE = optax.masked(optax.identity(), lambda p: p).update.__code__
-_CLIP_CODE = optax.clip_by_global_norm(1.0).update.__code__
 
 
 def on_buckets(tx: Any, layout: Layout, axis_name: Any,
                needs_leaves: Callable[[Any], str | None]
                ) -> optax.GradientTransformationExtraArgs | None:
   """``tx`` computed on the buckets of ``layout`` (or, with ``axis_name``, on this
-  device's slices of them), if it is `optax.scale_by_trust_ratio`, or `optax.masked` of
-  a transformation that runs on buckets with a mask that is static per leaf; else None.
+  device's slices of them), if it is `optax.clip_by_global_norm`,
+  `optax.scale_by_trust_ratio`, `optax.masked` with a mask static per leaf, or a chain
+  or `optax.inject_hyperparams` of these and of parts that run on buckets; else None.
 
   Args:
-    tx: a transformation (a part of a chain, as `jpack._labels.chain_parts` gives it).
+    tx: a transformation.
     layout: the buckets' layout.
     axis_name: the axis the buckets are sliced over (ZeRO-1), or None for whole buckets.
-    needs_leaves: the probe: None when a transformation computes the same on buckets
-      (the masked transformation must, or be one of these itself).
+    needs_leaves: the check: None when a transformation computes the same on buckets.
 
   Returns:
-    A transformation taking and returning tuples of buckets (or slices), whose state is
-    ``tx``'s (`optax.MaskedState` over the inner state on buckets), or None.
+    A transformation taking and returning tuples of buckets (or slices), with ``tx``'s
+    state, or None.
   """
-  tx = _unwrapped(tx)
-  code = getattr(getattr(tx, "update", None), "__code__", None)
-  if code is _CLIP_CODE and all(jnp.issubdtype(b.dtype, jnp.inexact) for b in layout.buckets):
-    found = _closure(tx.update, ("max_norm",))
-    return None if found is None else clip_by_global_norm(found[0], axis_name)
-  if not all(jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets):
-    return None
-  if any(len(b.slots) > 1 and b.size // _align(layout, b) > _MAX_BLOCKS
-         for b in layout.buckets):
+  key = key_of(tx)
+  if key == _EXTRA_ARGS:
+    return on_buckets(closure(tx.update)["tx"], layout, axis_name, needs_leaves)
+  swap = lambda part: on_buckets(part, layout, axis_name, needs_leaves)  # noqa: E731
+  if "inner_factory" in closure(tx.update):  # inject_hyperparams: what it builds, swapped
+    try:
+      example = _chained(injected(tx), swap, needs_leaves)
+    except Exception:  # noqa: BLE001 - a factory that needs other values: on the leaves
+      return None
+    return example and with_factory(tx, lambda built: _chained(built, swap, needs_leaves))
+  found = closure(tx.update)
+  if key == _CLIP and "max_norm" in found and all(
+      jnp.issubdtype(b.dtype, jnp.inexact) for b in layout.buckets):
+    return clip_by_global_norm(found["max_norm"], axis_name)
+  if not all(jnp.issubdtype(b.dtype, jnp.floating) for b in layout.buckets) or any(
+      len(b.slots) > 1 and b.size // _align(layout, b) > _MAX_BLOCKS for b in layout.buckets):
     return None  # its tables would be large constants: left to the leaves
-  if code is _TRUST_RATIO_CODE:
-    found = _closure(tx.update, ("min_norm", "trust_coefficient", "eps"))
-    return None if found is None else trust_ratio(layout, axis_name, *found)
-  if code is _MASKED_CODE:
-    found = _closure(tx.update, ("inner", "mask"))
-    if found is None:
-      return None
-    inner, mask = found
-    flags = static_mask(mask, layout)
-    if flags is None:
-      return None
-    swapped = on_buckets(inner, layout, axis_name, needs_leaves)
-    if swapped is None and needs_leaves(inner) is not None:
+  if key == _TRUST_RATIO and {"min_norm", "trust_coefficient", "eps"} <= found.keys():
+    return trust_ratio(layout, axis_name, found["min_norm"], found["trust_coefficient"],
+                       found["eps"])
+  if key == _MASKED and {"inner", "mask"} <= found.keys():
+    flags = static_mask(found["mask"], layout)
+    inner = found["inner"]
+    swapped = None if flags is None else swap(inner)
+    if flags is None or (swapped is None and needs_leaves(inner) is not None):
       return None
     return masked(swapped or optax.with_extra_args_support(inner), flags, layout, axis_name)
   return None
 
 
+def _chained(tx: Any, swap: Callable[[Any], Any], needs_leaves: Callable[[Any], Any]
+             ) -> optax.GradientTransformation | None:
+  """``tx``, or each part of a chain, on buckets: as it is, or swapped; else None."""
+  parts = chain_parts(tx)
+  swapped = [swap(p) or (p if needs_leaves(p) is None else None) for p in parts or [tx]]
+  if None in swapped:
+    return None
+  return swapped[0] if parts is None else optax.chain(*swapped)
+
+
+# The keys of the update functions recognised (see `jpack._known`).
+_EXTRA_ARGS = key_of(optax.with_extra_args_support(optax.identity()))
+_TRUST_RATIO = key_of(optax.scale_by_trust_ratio())
+_MASKED = key_of(optax.masked(optax.identity(), lambda p: p))
+_CLIP = key_of(optax.clip_by_global_norm(1.0))
 # The most blocks a bucket of several leaves may have (each has two int32 table entries).
 _MAX_BLOCKS = 1 << 21
 
 
 def _align(layout: Layout, bucket: Bucket) -> int:
   return max(1, layout.align_bytes // bucket.dtype.itemsize)
-
-
-def _unwrapped(tx: Any) -> Any:
-  """``tx`` without `optax.with_extra_args_support`'s wrapper (an `optax.chain` wraps
-  each plain transformation it holds)."""
-  update = getattr(tx, "update", None)
-  if getattr(update, "__code__", None) is _EXTRA_ARGS_CODE:
-    inner = _closure(update, ("tx",))
-    if inner is not None:
-      return inner[0]
-  return tx
-
-
-def _closure(fn: Callable[..., Any], names: tuple[str, ...]) -> tuple[Any, ...] | None:
-  try:
-    found = inspect.getclosurevars(fn).nonlocals
-  except (TypeError, ValueError):
-    return None
-  if not all(name in found for name in names):  # another optax: left to the probe
-    return None
-  return tuple(found[name] for name in names)
 
 
 def clip_by_global_norm(max_norm: Any, axis_name: Any

@@ -1,22 +1,10 @@
 """ZeRO-1 for transformations that need whole leaves: each device owns whole leaves.
 
-On slices of buckets, adafactor's factored moments, muon's Newton-Schulz iteration or
-sm3's per-dimension statistics would compute something else (a trust ratio or a static
-mask is computed on the slices instead: `jpack._leafwise`). With a
-layout whose shards hold whole leaves (`jpack._layout.whole_leaf_shards`), the
-reduce-scatter hands device k the whole gradients of the leaves in its shard, and the
-all-gather brings their new values to every device, as for any bucket. `on_owned` runs
-the transformation there, as optax runs it on the params tree: on a tree in which the
-leaves this device owns are real and every other leaf is empty (its dims set to 0), so a
-mask given as a tree of the params' structure still fits.
-
-Each device's state is optax's state of its own leaves, whose structure differs from
-device to device (a factored moment here, a full one there). It is kept flattened into
-one 1-D buffer per dtype, padded to the longest device's, so that every device holds
-arrays of the same shape: seen from outside ``shard_map`` they are sharded like the
-buckets, about 1/N of the state per device. The per-device code runs under a
-`lax.switch` on the device's index; it holds no collective (the probe refuses a
-transformation that needs one on owned leaves).
+With shards that hold whole leaves (`jpack._layout.whole_leaf_shards`), the
+reduce-scatter hands each device the gradients of its own leaves. `on_owned` runs the
+transformation there as optax runs it on the params tree, the other leaves empty (or of
+one element), under a `lax.switch` on the device's index. Its state, whose structure
+differs between devices, is kept in one padded 1-D buffer per dtype (1/N per device).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
       device's own whole leaves, with their state for those leaves only: ``init`` then
       plans a layout whose shards hold whole leaves (each padded to the fullest), and
       logs it once (INFO, ``"jpack"`` logger).
-      ``init`` probes which, on a miniature of the params. What needs more than a
+      ``init`` reads which from a table (one of your own is probed on a miniature of the
+      params, on two simulated devices that own whole leaves). What needs more than a
       device's own leaves (``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`
       (``data_parallel(mode="packed")``) runs it on all the leaves.
     axis_name: the data-parallel mesh / pmap axis, or ``(outer, inner)`` for hybrid

@@ -240,7 +240,8 @@ def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
       each leaf's shape or values (adafactor, muon, sm3) runs on the params tree,
       unpacked from the buckets, and its updates are packed back. Of an `optax.chain`,
       only the parts that need the leaves run on them (adam's moments stay on buckets).
-      ``init`` finds out which, by probing (see ``Raises``), and logs it once on the
+      ``init`` finds out which from a table of optax's transformations (one of your own
+      runs on the leaves), and logs it once on the
       ``"jpack"`` logger (INFO). A `jpack.optax.partition` gives each label its own
       buckets, updated by that label's transformation.
     param_dtype: mixed precision (see `jpack.cast_params` for the forms it takes): the
@@ -260,8 +261,8 @@ def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
     TypeError: from ``init``, when ``inner`` cannot run here at all (a collective over
       a mesh axis: the gradients are reduced already) or raises on the params (a line
       search without its ``value_fn=``); from ``update``, when ``inner`` raises there.
-      The message names the transformation. To choose, ``init`` runs ``inner`` on a
-      miniature of the params on buckets and on the tree, and compares.
+      The message names the transformation, and what to use where optax itself cannot
+      run on the params (sm3 on a scalar leaf).
     ValueError: from ``update``, when the updates or params are a `jpack.Packed` with
       another layout than the one the state was initialised with (``state.layout``).
 

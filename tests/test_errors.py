@@ -250,3 +250,44 @@ def test_partition_takes_a_dict_of_transformations():
     jpack.optax.partition(optax.adam(1e-3), {"x": "a"})
   with pytest.raises(TypeError, match=r"inner\['a'\]"):
     jpack.optax.partition({"a": "adam"}, {"x": "a"})
+
+
+# -- an optimizer optax itself cannot run on these params -------------------------------
+
+
+@pytest.mark.parametrize("make,name,fix", [
+    (lambda: optax.sm3(0.1), "optax.scale_by_sm3", r"IndexError on a scalar leaf.*"
+     r"jpack.optax.partition\(\{'sm3': optax.sm3\(lr\), 'rest'"),
+    (lambda: optax.scale_by_sm3(), "optax.scale_by_sm3", r"jpack.optax.partition"),
+    (lambda: optax.contrib.scale_by_muon(), "optax.contrib.scale_by_muon",
+     r"without weight_dimension_numbers=.*Use optax.contrib.muon\(lr\)"),
+], ids=["sm3", "scale_by_sm3", "scale_by_muon"])
+@pytest.mark.parametrize("where", ["flat", "sharded", "data_parallel"])
+def test_an_optimizer_optax_cannot_run_on_the_params_is_named_with_the_fix(
+    make, name, fix, where):
+  # optax's own errors would be a bare IndexError (sm3 on a scalar) or a pytree-structure
+  # ValueError (scale_by_muon without weight_dimension_numbers), from deep inside.
+  params, _ = init_model(jax.random.key(0))
+  params["temperature"] = jnp.float32(1.0)
+  inside = {"flat": "jpack.optax.flat", "sharded": "jpack.optax.sharded",
+            "data_parallel": "data_parallel's optimizer"}[where]
+  with pytest.raises(TypeError, match=rf"{name} cannot run inside {inside}.*: .*{fix}"):
+    if where == "flat":
+      jpack.optax.flat(make()).init(params)
+    elif where == "sharded":
+      mesh = jax.make_mesh((8,), ("batch",))
+      tx = jpack.optax.sharded(make(), "batch")
+      jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(),
+                                   check_vma=False), params)
+    else:
+      jpack.data_parallel(plain_loss, make(), params, mode="sharded")
+
+
+def test_sm3_on_leaves_without_scalars_runs():
+  # Labelled apart, the scalars go to another optimizer: sm3 runs on the rest.
+  params, _ = init_model(jax.random.key(0))
+  params["temperature"] = jnp.float32(1.0)
+  labels = jax.tree.map(lambda x: "rest" if x.ndim == 0 else "sm3", params)
+  tx = jpack.optax.partition({"sm3": optax.sm3(0.1), "rest": optax.adam(0.1)}, labels)
+  state = jpack.optax.flat(tx).init(params)
+  assert state.layout is not None

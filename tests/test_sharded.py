@@ -150,7 +150,7 @@ def test_owned_leaves_keep_about_one_nth_of_the_state():
     # a measurement of the updates kept in the state: each device's slice's norm
     (lambda: optax.chain(optax.transforms.snapshot("norm", optax.tree.norm), optax.sgd(0.1)),
      "snapshot"),
-    (lambda: optax.transforms.monitor({"norm": optax.tree.norm}), "stateless"),  # measures
+    (lambda: optax.transforms.monitor({"norm": optax.tree.norm}), "monitor"),  # measures
     (lambda: optax.polyak_sgd(max_learning_rate=0.5), "scale_by_polyak"),  # whole-gradient norm
 ])
 def test_unshardable_inner_transforms_are_refused(inner, culprit):
@@ -168,6 +168,18 @@ def test_unshardable_inner_transforms_are_refused(inner, culprit):
 def test_per_coordinate_transforms_run_on_slices_like_optax(make):
   got = run(jpack.optax.sharded(make(), "batch"), 20)
   assert_trees_close(got, run(make(), 20, reduce=per_leaf_pmean), tol=5e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.inject_hyperparams(lambda learning_rate: optax.chain(
+        optax.clip_by_global_norm(0.05), optax.adamw(learning_rate)))(learning_rate=1e-2),
+    lambda: optax.chain(optax.clip_by_global_norm(0.05),  # bf16 moments would turn float32
+                        optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2)),
+])
+def test_a_clip_with_inject_hyperparams_runs_on_slices_like_optax(make):
+  # The clip inject_hyperparams builds at every update is computed on the slices too.
+  got = run(jpack.optax.sharded(make(), "batch"), 10)
+  assert_trees_close(got, run(make(), 10, reduce=per_leaf_pmean), tol=2e-4)
 
 
 def _train(mesh, params, opt_state=None, steps=10, start=0, mode="sharded", optimizer=None,

@@ -474,8 +474,8 @@ def render_startup(results: Results) -> str:
   if not tables:
     return _missing("startup")
   table = tables[0]
-  note = ("first: the model's first build, with a new optimizer object: the optimizer is "
-          "probed (traced on a miniature of the params, and evaluated by numpy); again: "
+  note = ("first: the model's first build, with a new optimizer object, which the "
+          "optimizer check reads (optax's own from a table; others probed); again: "
           "the same optimizer object, its verdict cached (median over rounds). Before the first row, a 4-leaf MLP is built in every mode: ")
   start = [n for n in doc.get("notes", []) if n.startswith("JAX's own start")]
   return "\n\n".join([f"**{table['title']}**", _select(table, table["columns"]),

@@ -135,7 +135,9 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
   def gather(b, wait=None):
     """Gather bucket ``b``, after ``wait`` (an equation's output variable) is computed:
     the rest of the loss reads ``wait`` through the barrier, which keeps it there."""
-    shard = shards.buckets[b]
+    # Typed as varying over every data axis, as ``wait`` is: the barrier would make it
+    # so anyway, out of the custom VJP's sight (`_gather_bwd` accounts for this one).
+    shard = vary(shards.buckets[b], axis_name)
     if wait is not None:
       shard, env[wait] = lax.optimization_barrier((shard, env[wait]))
     full = _gather(shard, carriers[b], axis_name)
@@ -243,10 +245,13 @@ def _gather_bwd(axis_name, residuals, ct):
   replicas, axis = slice_axes(axis_name)
   n = axis_size(axis)
   if ct.size == 0:
-    return jnp.zeros((0,), ct.dtype), jnp.zeros((0,), wide)
+    return vary(jnp.zeros((0,), ct.dtype), axis_name), vary(jnp.zeros((0,), wide), axis)
   mean = lax.psum_scatter(ct.astype(wide), axis, scatter_dimension=0, tiled=True) / n
   mean = mean_over((mean,), replicas)[0]  # the slice's all-reduce across replicas
-  return mean.astype(ct.dtype), mean
+  # The bucket came in through `vary` over the replica axes, whose transpose sums the
+  # replicas' copies: each contributes its share.
+  copies = axis_size(replicas) if replicas else 1
+  return vary(mean / copies, axis_name).astype(ct.dtype), mean
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -116,3 +116,25 @@ def test_bad_meshes_and_batches_are_refused_with_the_fix():
   with pytest.raises(ValueError, match=r"split evenly over this process's 8 devices of "
                                        r"axis \('node', 'gpu'\)"):
     dp.step(state, (x[:12], y[:12]))
+
+
+def test_hand_written_fsdp_on_two_axes_gives_the_mean_gradient():
+  # Several buckets: each gather after the last read of the bucket before it.
+  params, mesh = init_params(), mesh_2d()
+  layout = jpack.plan(params, num_shards=PER_NODE, bucket_bytes=256, solo_bytes=None)
+  assert len(layout.buckets) > 2
+  slices = P("gpu")
+
+  def local(buckets, batch):
+    shards = jpack.Shards(buckets, layout)
+    return jax.grad(jpack.fsdp(loss_fn, ("node", "gpu")))(shards, batch).buckets
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(slices, P(("node", "gpu"))),
+                               out_specs=slices))
+  batch = batches()[0]
+  put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  grads = step(put(jpack.pack(params, layout).buckets, slices), put(batch, P(("node", "gpu"))))
+  got = jpack.unpack(jpack.Packed(tuple(np.asarray(g) for g in grads), layout))
+  want = jax.grad(loss_fn)(params, batch)  # the full batch: the mean of equal splits
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jpack
 from benchmarks import harness as h
+from jpack._collectives import reduce  # jpack.pmean with the method named
 
 TITLE = "jpack collectives benchmark"
 DEVICES = 8
@@ -67,7 +68,7 @@ def bodies(layout: jpack.Layout) -> dict[str, tuple[Callable, Any]]:
     flat, unravel = ravel_pytree(_local(t))
     return unravel(lax.pmean(flat, AXIS))
 
-  by = lambda method: lambda t: h.reduce_with_method(_local(t), AXIS, layout, method)
+  by = lambda method: lambda t: reduce(_local(t), AXIS, mean=True, layout=layout, method=method)
   return {"per_leaf": (lambda t: jax.tree.map(lambda x: lax.pmean(x, AXIS), _local(t)), P()),
           "ravel": (ravel, P()), "jpack_psum": (by("psum"), P()),
           "jpack_sg": (by("scatter_gather"), P()),

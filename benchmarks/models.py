@@ -1,19 +1,7 @@
-"""Real architectures for the benchmarks, in plain JAX, with the leaf structure of the
-shape tables in ``benchmarks/workloads`` (the key paths, leaf counts and dtypes of
-GPT-2 small, BERT-base, ResNet-50, a llama-like LM with bf16 weights, and 4000 tiny
-leaves).
-
-Each builder takes the architecture's sizes, so the same model runs at its real size
-(compiled for GPUs, `benchmarks.gpu_compile`) and scaled down to what 8 simulated CPU
-devices can time (`benchmarks.step`): depth and leaf count stay, widths shrink.
-``tests/test_models.py`` checks that the full-size params match the tables exactly.
-
-A model is a `Model`: numpy params (or shapes only), a ``loss(params, batch)`` over one
-device's batch, and a function that makes a global batch of ``n`` rows. A model with
-state that is not trained (the ResNet's BatchNorm running statistics, ``bn_state=True``)
-has it in ``state``, and its loss is ``loss(params, state, batch) -> (loss, new_state)``,
-as `jpack.data_parallel` calls it when the state is given to init:
-``dp.init(params, state)``.
+"""Real architectures in plain JAX with the leaf structure of the shape tables in
+``benchmarks/workloads``, at their real size (`benchmarks.gpu_compile`) or narrowed
+(`benchmarks.step`: depth and leaf count stay, widths shrink). A model with state (the
+ResNet's BatchNorm statistics) has ``loss(params, state, batch) -> (loss, new_state)``.
 """
 
 from __future__ import annotations
@@ -36,17 +24,10 @@ class Model:
   batch_like: Callable[[int], Any] | None = None  # global batch size -> ShapeDtypeStructs
   state: Any = None  # model state (numpy tree); then loss(params, state, batch) -> (loss, state)
 
-  @property
-  def has_state(self) -> bool:
-    return self.state is not None
-
-  @property
-  def num_leaves(self) -> int:
-    return len(jax.tree.leaves(self.params))
-
-  @property
-  def num_params(self) -> int:
-    return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(self.params))
+  has_state = property(lambda self: self.state is not None)
+  num_leaves = property(lambda self: len(jax.tree.leaves(self.params)))
+  num_params = property(lambda self: sum(int(np.prod(np.shape(x)))
+                                         for x in jax.tree.leaves(self.params)))
 
 
 def _nest(flat: dict[str, Any]) -> dict:
@@ -78,14 +59,20 @@ def _make(shapes: dict[str, tuple[tuple[int, ...], Any, str]], seed: int, abstra
   return _nest(flat)
 
 
-def _tokens(vocab: int, length: int, seed: int):
+def _data(like: Callable[[int], Any], seed: int, high: int = 0):
+  """``(batch, like)``: ``batch(n)`` draws ``like(n)``'s arrays in order, floats normal
+  and integers in [0, high)."""
   def batch(n):
-    return np.random.default_rng(seed).integers(0, vocab, (n, length), dtype=np.int32)
-
-  def like(n):
-    return jax.ShapeDtypeStruct((n, length), jnp.int32)
+    r = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: r.integers(0, high, s.shape, dtype=s.dtype)
+                        if jnp.issubdtype(s.dtype, jnp.integer)
+                        else r.standard_normal(s.shape).astype(s.dtype), like(n))
 
   return batch, like
+
+
+def _tokens(vocab: int, length: int, seed: int):
+  return _data(lambda n: jax.ShapeDtypeStruct((n, length), jnp.int32), seed, vocab)
 
 
 def _layer_norm(x, g, b, eps=1e-5):
@@ -265,9 +252,8 @@ def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32
 def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
         classes: int = 1000, heads: int = 12, seed: int = 0, abstract: bool = False,
         name: str = "vit_b16") -> Model:
-  """A ViT encoder (ViT-B/16 at the defaults, 152 leaves): a strided-conv patch
-  embedding, a class token, learned positions, pre-LN blocks as GPT-2's without the
-  causal mask, a final LayerNorm and a classification head on the class token."""
+  """A ViT encoder (ViT-B/16 at the defaults): conv patch embedding, class token,
+  learned positions, GPT-2's blocks without the causal mask, a head on the class token."""
   f32 = np.float32
   tokens = (image // patch) ** 2 + 1
   s: dict = {"patch_embed/kernel": ((patch, patch, 3, width), f32, "normal"),
@@ -297,16 +283,8 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
 
 
 def _images(image: int, classes: int, seed: int):
-  def batch(n):
-    r = np.random.default_rng(seed)
-    return (r.standard_normal((n, image, image, 3)).astype(np.float32),
-            r.integers(0, classes, (n,), dtype=np.int32))
-
-  def like(n):
-    return (jax.ShapeDtypeStruct((n, image, image, 3), jnp.float32),
-            jax.ShapeDtypeStruct((n,), jnp.int32))
-
-  return batch, like
+  return _data(lambda n: (jax.ShapeDtypeStruct((n, image, image, 3), jnp.float32),
+                          jax.ShapeDtypeStruct((n,), jnp.int32)), seed, classes)
 
 
 # -- ResNet ----------------------------------------------------------------------------
@@ -320,16 +298,9 @@ BN_MOMENTUM = 0.9  # running statistics: momentum * old + (1 - momentum) * batch
 def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: int = 1000,
            image: int = 64, block: str = "bottleneck", bn_state: bool = False,
            seed: int = 0, abstract: bool = False, name: str = "resnet50") -> Model:
-  """A ResNet with BatchNorm over each device's batch (training mode): bottleneck blocks
-  (ResNet-50 at the defaults) or, with ``block="basic"``, two 3x3 convolutions per block
-  (ResNet-18 with ``blocks=RESNET18_BLOCKS``). A block projects its input where the
-  width or the stride changes. The stem has no max-pool.
-
-  With ``bn_state``, every BatchNorm keeps running statistics (``mean``, ``var``, at the
-  BatchNorm's key path) in the model's ``state``, updated by each step as Flax's
-  ``batch_stats`` are: the loss is ``loss(params, state, batch) -> (loss, new_state)``.
-  Without it there is no state (the shape tables hold none).
-  """
+  """A ResNet, BatchNorm over each device's batch: bottleneck blocks (ResNet-50 at the
+  defaults) or ``block="basic"`` ones (ResNet-18 with `RESNET18_BLOCKS`); no max-pool.
+  With ``bn_state``, running statistics (``mean``, ``var``) are the model's ``state``."""
   if block not in ("bottleneck", "basic"):
     raise ValueError(f"block must be 'bottleneck' or 'basic', got {block!r}")
   f32 = np.float32
@@ -439,15 +410,8 @@ def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bo
               for i, p in enumerate(leaves)) / len(leaves)
     return jnp.mean(jnp.square(out - y))
 
-  def batch(n):
-    r = np.random.default_rng(seed + 1)
-    return (r.standard_normal((n, features)).astype(np.float32),
-            r.standard_normal((n,)).astype(np.float32))
-
-  def like(n):
-    return (jax.ShapeDtypeStruct((n, features), jnp.float32),
-            jax.ShapeDtypeStruct((n,), jnp.float32))
-
+  batch, like = _data(lambda n: (jax.ShapeDtypeStruct((n, features), jnp.float32),
+                                 jax.ShapeDtypeStruct((n,), jnp.float32)), seed + 1)
   return Model(name, f"{len(sizes)} tiny experts", _make(s, seed, abstract), loss, batch,
                like)
 
@@ -457,14 +421,10 @@ def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bo
 
 def full_size(name: str, *, abstract: bool = True) -> Model:
   """Workload ``name`` at the size of its shape table (``benchmarks/workloads``)."""
-  if name == "gpt2_small":
-    return gpt2(abstract=abstract)
-  if name == "bert_base":
-    return bert(abstract=abstract)
-  if name == "resnet50":
-    return resnet(image=224, abstract=abstract)
-  if name == "mixed_llama_tiny":
-    return llama(abstract=abstract)
+  simple = {"gpt2_small": gpt2, "bert_base": bert, "mixed_llama_tiny": llama,
+            "resnet50": lambda abstract: resnet(image=224, abstract=abstract)}
+  if name in simple:
+    return simple[name](abstract=abstract)
   if name in ("gpt_1p3b", "gpt_1p3b_12"):  # the ZeRO-3 workload, and its half depth
     return gpt2(layers=24 if name == "gpt_1p3b" else 12, width=2048, vocab=50257,
                 positions=1024, heads=16, seq=1024, abstract=abstract, name=name)

@@ -1,13 +1,7 @@
-"""One adam update on one device: jpack on packed buckets, per-leaf optax, PyTorch.
-
-Per workload (its parameter shapes, random values), on the default device (a GPU where
-there is one), the same update of the same parameters by ``optax.adam`` on the tree,
-jitted and donated (per-leaf); by ``jpack.optax.flat(optax.adam)`` on params and
-gradients already packed, as in ``data_parallel(mode="packed")`` (jpack); and by
-``torch.optim.Adam(fused=True)`` on CUDA tensors (on a machine without CUDA the
-``foreach=True`` Adam on CPU tensors, labelled so; "n/a" without torch). Each time is one
-call's wall time, dispatch included, the median of interleaved rounds; speed-ups are
-medians of per-round ratios; max |Δp| checks that all compute the same adam.
+"""One adam update on one device, per workload: ``optax.adam`` on the tree (per-leaf),
+``jpack.optax.flat(optax.adam)`` on packed params and gradients (jpack), and
+``torch.optim.Adam`` (fused on CUDA, else foreach on CPU, labelled so; "n/a" without
+torch). Times: one call's wall time, the median of interleaved rounds.
 """
 
 from __future__ import annotations
@@ -65,8 +59,7 @@ def _check_floating(w: h.Workload) -> None:
 
 
 class _Update:
-  """A compiled update that donates its params and state: each call continues from the
-  last call's outputs, so repeated calls never touch a donated buffer."""
+  """A compiled update donating its params and state; each call continues from the last."""
 
   def __init__(self, tx: optax.GradientTransformation, grads: Any, params: Any):
     def update(g, s, p):
@@ -90,8 +83,6 @@ class _TorchAdam:
     self.torch = torch
     self.cuda = torch.cuda.is_available()
     device = "cuda" if self.cuda else "cpu"
-    # Fused Adam is the fastest torch has on CUDA; on CPU the foreach one is the common
-    # choice, and it is labelled so that no one reads it as the GPU comparison.
     self.label = "fused (CUDA)" if self.cuda else "foreach (CPU)"
     self.tensors = {k: self._tensor(v, device) for k, v in params.items()}
     for k, t in self.tensors.items():
@@ -102,8 +93,7 @@ class _TorchAdam:
 
   def _tensor(self, x: np.ndarray, device: str) -> Any:
     dtype = getattr(self.torch, np.dtype(x.dtype).name)  # float32, bfloat16, ...
-    # A copy: ``x`` may be a read-only view of a JAX buffer, and numpy has no bfloat16
-    # that torch reads, so narrow floats cross as float32.
+    # A copy (``x`` may be a read-only JAX buffer); narrow floats cross as float32.
     host = np.array(x, np.float32 if x.dtype.itemsize < 4 else x.dtype)
     return self.torch.from_numpy(host).to(device=device, dtype=dtype)
 
@@ -117,9 +107,8 @@ class _TorchAdam:
 
 
 def _import_torch() -> Any:
-  """torch, or None (saying why). Import it after JAX's backend has started: torch loads
-  its own CUDA libraries (cuDNN, cuBLAS), and a JAX that finds older ones already loaded
-  refuses its GPU."""
+  """torch, or None. Imported after JAX's backend started: a JAX that finds torch's older
+  CUDA libraries loaded refuses its GPU."""
   try:
     import torch
   except (ImportError, OSError) as e:
@@ -143,13 +132,8 @@ class Result:
   max_diff: dict[str, float]
 
 
-def _host(tree: Any) -> dict[str, np.ndarray]:
-  return {k: np.asarray(v, np.float64) for k, v in tree.items()}
-
-
 def _max_diff_packed(a: dict[str, np.ndarray], packed: jpack.Packed) -> float:
-  """`h.max_diff` against each leaf's slice of the buckets, read on the host: unpacking
-  on the device would compile a program with an output per leaf just for this check."""
+  """`h.max_diff` against each leaf's slice of the buckets, on the host."""
   buckets = [np.asarray(b, np.float64) for b in packed.buckets]
   slots = packed.layout.slots  # in the order of the tree's leaves
   return max((float(np.max(np.abs(buckets[s.bucket][s.offset:s.offset + s.size]
@@ -157,13 +141,12 @@ def _max_diff_packed(a: dict[str, np.ndarray], packed: jpack.Packed) -> float:
               for s, x in zip(slots, jax.tree.leaves(a)) if s.size), default=0.0)
 
 
-def bench_workload(w: h.Workload, torch: Any, *, runs: int,
-                   bucket_bytes: int | None) -> Result:
+def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
   """Build every variant from the same values, check their first update, time them."""
   print(f"\n{w.describe()}", flush=True)
   params = h.random_tree(w.shapes, seed=0)
   grads = h.random_tree(w.shapes, seed=1)
-  layout = jpack.plan(params, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+  layout = jpack.plan(params)
   print(f"  {len(layout.buckets)} buckets", flush=True)
   # jpack's inputs are packed first: the per-leaf update donates ``params``.
   calls: dict[str, Any] = {"jpack": _Update(jpack.optax.flat(optax.adam(LEARNING_RATE)),
@@ -179,7 +162,7 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int,
   print("  compile: " + ", ".join(f"{k} {h.fmt_s(s)} s" for k, s in compile_s.items()),
         flush=True)
 
-  reference = _host(jax.block_until_ready(calls["per_leaf"]()))
+  reference = {k: np.asarray(v, np.float64) for k, v in calls["per_leaf"]().items()}
   max_diff = {"jpack": _max_diff_packed(reference, calls["jpack"]())}
   if torch_adam is not None:
     torch_adam()
@@ -251,7 +234,7 @@ def run(opts: Any, report: h.Report) -> None:
   for name in opts.models:
     w = scaled(h.load_workload(name), opts.scale)
     _check_floating(w)
-    results.append(bench_workload(w, torch, runs=opts.rounds, bucket_bytes=opts.bucket_bytes))
+    results.append(bench_workload(w, torch, runs=opts.rounds))
     h.release_host_memory()
     report.parts[:] = [*_tables(results), "Times: one update's wall time, dispatch included; "
                        "median of interleaved rounds. speed-up = the other's time / jpack's "

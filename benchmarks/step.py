@@ -1,10 +1,6 @@
-"""A whole data-parallel step on 8 CPU devices: jpack's modes against the steps written
-without it, every variant training the same model from the same params on the same
-batch (split over the mesh axis, the state donated), timed in interleaved rounds of
-``--steps`` steps. The variants are `VARIANTS`, data built by `build`; the models are
-`MODELS`. Speed-ups are over per-leaf (or the variant's ``baseline``); "gap closed" is the
-share of per-leaf's time above the grads-only floor that a variant removes; max |Δp| is
-the largest parameter difference from the baseline after the same steps.
+"""A whole data-parallel step on 8 CPU devices: jpack's modes (`VARIANTS`, built by
+`build`) against the steps written without it, on the same model (`MODELS`), params and
+batch, timed in interleaved rounds of ``--steps`` steps. Columns: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ OPTIMIZERS: dict[str, Callable[[float], Any]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One step to measure: how it is built (``kind``, a key of `BUILDERS`), its
-  optimizer (a key of `OPTIMIZERS`) and its options."""
+  """One step: how it is built (``kind``, a key of `BUILDERS`), optimizer and options."""
   label: str
   kind: str = "jpack"           # "jpack": jpack.data_parallel(mode=mode, ...)
   mode: str = ""
@@ -75,10 +70,7 @@ class Variant:
   compared: bool = True         # max |Δp| against the baseline means something
 
 
-def _v(label: str, **kw: Any) -> Variant:
-  return Variant(label, **kw)
-
-
+_v = Variant
 VARIANTS = {
     "per_leaf": _v("per-leaf pmean", kind="per_leaf", compared=False),
     "ravel": _v("ravel_pytree", kind="ravel"),
@@ -225,16 +217,14 @@ BIG_MODEL_PARAMS = 10_000_000
 
 @dataclasses.dataclass
 class Built:
-  """A variant's `jpack.DataParallel` (or one with its functions), and how many calls
-  of its step make one measured step, each on that share of every device's rows."""
+  """A variant's `jpack.DataParallel`, and how many calls of its step make one step."""
   dp: Any
   calls: int = 1
   jit_mesh: bool = False  # runs on the mesh of Auto axes (`auto`)
 
 
 def auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-  """``mesh`` with Auto axes, as a plain jit user has it: XLA chooses the shardings
-  inside the step (under Explicit axes an embedding lookup's would need spelling out)."""
+  """``mesh`` with Auto axes, as a plain jit user has it."""
   return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                            axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
@@ -248,8 +238,7 @@ def optimizer(v: Variant, params: Any, lr: float = LEARNING_RATE) -> Any:
 
 
 def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Any:
-  """The compute every step shares: per-device loss and gradients (with a ``layout``,
-  of params kept packed, the loss unpacking them), no collective, no update."""
+  """Per-device loss and gradients (of packed params with a ``layout``), nothing else."""
   to_tree = (lambda p: p) if layout is None else jpack.unpack
 
   def local_step(state, batch):
@@ -276,11 +265,8 @@ def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Any:
 
 
 def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
-  """ZeRO-1 with plain jax + optax, an independent reference for jpack's sharded mode:
-  f32 buckets of <= ``bucket_bytes`` filled from the last leaf, each padded to a
-  multiple of the devices; the loss unpacks them through a custom VJP whose backward is
-  one concatenate; gradients psum_scatter-ed per bucket, adam on this device's slice,
-  the new slices all_gather-ed."""
+  """ZeRO-1 in plain jax + optax: f32 buckets filled from the last leaf, padded to a
+  multiple of the devices, unpacked by a custom VJP; psum_scatter, adam, all_gather."""
   n = mesh.shape[AXIS]
   leaves, treedef = jax.tree.flatten(model.params)
   shapes, sizes = [np.shape(x) for x in leaves], [int(np.size(x)) for x in leaves]
@@ -384,13 +370,9 @@ BUILDERS: dict[str, Callable[..., Built]] = {
 }
 
 
-def build(v: Variant, model: Model, mesh, bucket_bytes: int | None = None) -> Built:
-  """Variant ``v``'s step on ``mesh``. ``bucket_bytes`` plans the buckets of the steps
-  written here that plan their own (hand pmean, packed grads only); data_parallel's are
-  the platform's (`jpack.step_options`)."""
-  n = mesh.shape[AXIS]
-  layout = jpack.plan(model.params, num_shards=n, **(
-      {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+def build(v: Variant, model: Model, mesh) -> Built:
+  """Variant ``v``'s step on ``mesh``."""
+  layout = jpack.plan(model.params, num_shards=mesh.shape[AXIS])
   return BUILDERS[v.kind](v, model, mesh, optimizer(v, model.params), layout)
 
 
@@ -432,9 +414,8 @@ def micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
   return [jax.tree.map(lambda x: part(x, j), batch) for j in range(k)]
 
 
-def prepare(key: str, model: Model, mesh, batch: Any, bucket_bytes: int | None,
-            directory: pathlib.Path) -> Prepared:
-  built = build(VARIANTS[key], model, mesh, bucket_bytes)
+def prepare(key: str, model: Model, mesh, batch: Any, directory: pathlib.Path) -> Prepared:
+  built = build(VARIANTS[key], model, mesh)
   if built.jit_mesh:
     batch = jax.device_put(batch, NamedSharding(auto(mesh), P(AXIS)))
   batches = micro_batches(batch, built.calls, mesh.shape[AXIS])
@@ -487,17 +468,16 @@ class Result:
   saves: Saves | None = None
 
 
-def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, rounds: int,
-            bucket_bytes: int | None) -> dict[str, Result | str]:
-  """Compile every variant, then time them in interleaved rounds (`h.time_rounds`). A
-  jpack variant that data_parallel refuses (a TypeError: an optimizer that needs whole
-  leaves in ZeRO-1) is the refusal's message instead of a `Result`."""
+def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, rounds: int
+            ) -> dict[str, Result | str]:
+  """Compile every variant, then time them in interleaved rounds; a jpack variant that
+  data_parallel refuses (TypeError) is the refusal's message instead of a `Result`."""
   with tempfile.TemporaryDirectory(prefix="jpack-step-bench-") as tmp:
     prepared: dict[str, Prepared | str] = {}
     for key in keys:
       print(f"   {VARIANTS[key].label} ...", end="", flush=True)
       try:
-        prepared[key] = p = prepare(key, model, mesh, batch, bucket_bytes, pathlib.Path(tmp))
+        prepared[key] = p = prepare(key, model, mesh, batch, pathlib.Path(tmp))
       except TypeError as e:
         if VARIANTS[key].kind != "jpack":
           raise
@@ -680,8 +660,7 @@ def run(opts: Any, report: h.Report) -> None:
     print(f"\n-- {model.describe}: {model.num_leaves} leaves, {model.num_params / 1e6:.2f} M "
           f"params; global batch {batch_rows * opts.devices}; {opts.rounds} x {steps} steps",
           flush=True)
-    results = measure(model, run_keys, mesh, batch, steps=steps, rounds=opts.rounds,
-                      bucket_bytes=opts.bucket_bytes)
+    results = measure(model, run_keys, mesh, batch, steps=steps, rounds=opts.rounds)
     report.table(table(model, results, opts.devices))
     del model, results
     h.release_host_memory()

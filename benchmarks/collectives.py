@@ -1,13 +1,6 @@
 """``pmean`` of each workload over 8 CPU devices: jpack against per-leaf ``lax.pmean`` and
-the floor, one pmean of a single array of the tree's bytes.
-
-Every variant is ``jax.jit(jax.shard_map(body, in_specs=P("batch"), out_specs=P()))`` on
-a tree whose leaves carry a leading axis of 8 (one slice per device). All variants of a
-workload are compiled first; then the baselines are timed in interleaved rounds, and
-every other variant in rounds with them. Each "vs" ratio is paired: the median over one
-group's rounds of the variant's time over the baseline's in the same round (the host
-drifts between groups). A baseline's own row shows the median of its group medians. The
-bucket-size sweep replans resnet50 with several ``bucket_bytes``.
+the floor (one array of the tree's bytes). Each variant is timed in rounds with the two
+baselines; a "vs" ratio is paired by rounds. The sweep replans resnet50's buckets.
 """
 
 from __future__ import annotations

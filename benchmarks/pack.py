@@ -1,9 +1,6 @@
-"""pack / unpack on one device, per workload of benchmarks/workloads, against (a) ``x * 2``
-over one array of the tree's bytes and (b) per-leaf ``x * 2`` over the tree; with
-``ravel_pytree`` as a baseline, the calls outside jit (first call and later calls), and
-``jpack.plan`` (pure Python). Every op is compiled ahead of time (lowering and
-compiling timed apart) and timed alone with its output materialized: XLA cancels
-``unpack(pack(x))`` inside one jit.
+"""pack / unpack on one device, per workload, against (a) ``x * 2`` over one array of the
+tree's bytes and (b) per-leaf ``x * 2``, with ``ravel_pytree``, the calls outside jit and
+``jpack.plan``. Each op is compiled alone and its output materialized.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Startup: building a data-parallel step and its ``init``, before any step compiles.
-
-What a user waits for before the first step compiles: ``jpack.data_parallel(...)``
-(planning, the optimizer check of ``jpack._probe`` on a miniature of the params, the
-state's shapes) and ``dp.init(params)`` (packing on the host, the small program that
-broadcasts the params and initialises the optimizer). Per model and mode, on 8 CPU
-devices, with ``optax.adamw`` (on the GPT-2-like model also lamb and muon): "first" with
-a new optimizer object (the check probes), "again" the same built again (its verdict
-cached; the median over rounds). A tiny model's build and init runs first, so that
-JAX's own start is not counted: it is shown apart.
+"""Startup: ``jpack.data_parallel(...)`` and ``dp.init(params)``, before any step
+compiles, per model and mode on 8 CPU devices: "first" with a new optimizer object (the
+check probes it), "again" the same object (its verdict cached).
 """
 
 from __future__ import annotations
@@ -97,8 +90,7 @@ def measure(model: models.Model, mode: str, rounds: int, name: str) -> Startup:
 
 
 def goals(results: list[Startup], modes: list[str]) -> list[str]:
-  """At most GOAL_S up to GOAL_LEAVES leaves; the MLPs' time per leaf from GOAL_LEAVES
-  leaves to the largest at most linear."""
+  """At most GOAL_S up to GOAL_LEAVES leaves; at most linear in leaves beyond."""
   lines = []
   for mode in modes:
     rows = [r for r in results if r.mode == mode and r.optimizer == "adamw"]

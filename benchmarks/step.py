@@ -153,16 +153,13 @@ def mlp(depth: int, width: int, seed: int = 0) -> Model:
       x = jnp.tanh((x @ layer["w"] + layer["b"]) * layer["scale"] + layer["shift"])
     return jnp.mean((x - y) ** 2)
 
-  def batch(n):
-    r = np.random.default_rng(seed + 1)
-    return tuple(r.standard_normal((n, width)).astype(np.float32) for _ in range(2))
-
+  batch, _ = models._data(lambda n: (jax.ShapeDtypeStruct((n, width), np.float32),) * 2,
+                          seed + 1)
   return Model(f"mlp_{depth}x{width}", f"MLP {depth}x{width}", {"layers": layers}, loss, batch)
 
 
 def shape_table(name: str, seed: int = 0) -> Model:
-  """A workload's parameter table with a loss that touches every parameter once, so the
-  step is what jpack changes: communication and the update over the real leaf sizes."""
+  """A workload's parameter table with a loss touching every parameter once."""
   rng = np.random.default_rng(seed)
   params = {k: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype)
             for k, s in h.load_workload(name).shapes.items()}
@@ -176,9 +173,7 @@ def shape_table(name: str, seed: int = 0) -> Model:
                    np.float32))
 
 
-# The real architectures with their real leaf counts, narrowed to what 8 simulated CPU
-# devices time in seconds (GPT-2 small's 148 leaves, ViT-B/16's 152, ResNet-18's 62 with
-# 40 BatchNorm statistics as model state); the tiny ones are smoke tests.
+# Real architectures with their real leaf counts, narrowed; the tiny ones are smoke tests.
 MODELS: dict[str, Callable[[], Model]] = {
     "gpt2_12x64": lambda: models.gpt2(layers=12, width=64, vocab=1024, positions=32,
                                       heads=4, seq=16, name="gpt2_12x64"),
@@ -203,8 +198,7 @@ MODELS: dict[str, Callable[[], Model]] = {
 }
 DEFAULT_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow", "mlp_40x256", "mlp_24x1024")
 REAL_MODEL_BATCH, PER_DEVICE_BATCH = 4, 16  # rows per device
-# What runs by default on the real architectures (each variant a compile of a 12-block
-# model), and on big models, whose replicated states all stay alive while timed.
+# The default variants of the real architectures and of big models.
 REAL_MODEL_VARIANTS = ("per_leaf", "jit", "jit_zero1", "hand_pmean", "packed", "sharded")
 MODEL_VARIANTS = {"gpt2_12x64": REAL_MODEL_VARIANTS + OPTIMIZER_VARIANTS,
                   "vit_12x64": REAL_MODEL_VARIANTS, "resnet18_narrow": REAL_MODEL_VARIANTS}
@@ -402,8 +396,7 @@ class Saves:
 
 
 def micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
-  """``batch`` as ``k`` batches placed like it, the j-th holding micro-batch j of every
-  device's rows: the split ``data_parallel(accumulate=k)`` makes on each device."""
+  """``batch`` split into ``k`` as ``data_parallel(accumulate=k)`` splits each device's."""
   if k == 1:
     return [batch]
 
@@ -435,8 +428,7 @@ def prepare(key: str, model: Model, mesh, batch: Any, directory: pathlib.Path) -
 
 
 def run_block(p: Prepared, steps: int) -> Any:
-  """``steps`` steps of ``p``; a checkpoint row saves as `ckpt.run_steps` does and
-  waits for its write at the end, inside the block's time."""
+  """``steps`` steps of ``p``; a checkpoint row waits for its write inside the time."""
   if p.saves is None:
     for _ in range(steps):
       for b in p.batches:
@@ -510,16 +502,13 @@ def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, roun
 
 def gap_closed(t_per_leaf: float | None, t_variant: float, t_floor: float | None
                ) -> float | None:
-  """The share of per-leaf's time above the floor that the variant removes: 1 at the
-  floor, 0 at per-leaf's time, negative when slower than per-leaf."""
   if t_per_leaf is None or t_floor is None or t_per_leaf <= t_floor:
     return None
   return (t_per_leaf - t_variant) / (t_per_leaf - t_floor)
 
 
 def _saving_values(r: Result, plain: Result | None) -> dict[str, Any]:
-  """A checkpoint row's figures: its step time over the same mode's without saves, the
-  median over rounds of the ratio in the same round (None for the other rows)."""
+  """A checkpoint row's figures (None for the other rows)."""
   if r.saves is None:
     return {"vs_no_saves": None, "save_call_s": None, "save_wait_s": None,
             "saves": 0, "checkpoint_bytes": None, "no_saves_key": None}
@@ -590,8 +579,7 @@ def table(model: Model, results: dict[str, Result | str], devices: int) -> h.Tab
 
 
 def chosen(name: str, model: Model, variants: list[str] | None) -> list[str]:
-  """The variants to run on ``name``: those asked for, or its defaults; never those
-  that cannot carry its model state."""
+  """The variants asked for, or ``name``'s defaults; none that drop its model state."""
   if variants is not None:
     keys = variants
   elif name in MODEL_VARIANTS:
@@ -615,8 +603,7 @@ def check(opts: Any) -> str | None:
 
 
 def with_saving(keys: list[str], steps: int) -> tuple[list[str], int]:
-  """With checkpoint rows: each one's mode without saves added to compare with, and
-  steps per round rounded up to whole save intervals."""
+  """Checkpoint rows' modes without saves added; steps rounded up to save intervals."""
   out: list[str] = []
   for k in keys:
     plain = VARIANTS[k].mode if VARIANTS[k].saves else None
@@ -632,18 +619,11 @@ def with_saving(keys: list[str], steps: int) -> tuple[list[str], int]:
   return out, steps
 
 
-NOTES = (
-    "speed-up = baseline step time / variant step time (same run); spread = the lowest and "
-    "highest of the round-by-round speed-ups. gap closed = (per-leaf - variant) / (per-leaf "
-    "- grads only). Collectives: AR all-reduce, RS reduce-scatter, AG all-gather, A2A "
-    "all-to-all in the compiled step, bytes = their results; ops in a loop body run once per "
-    "iteration; \"xK calls\": one step calls the compiled program K times. The optimizer "
-    "rows compare with per-leaf optax with the same optimizer; refused = data_parallel "
-    "raised a TypeError. bf16 params: f32 masters in the optimizer state. params+opt/dev "
-    "in units of Ψ, the parameter count. Checkpoint rows save every 10 steps "
-    "asynchronously, waiting for the write at the end of each round; vs no saves = their "
-    "time over the same mode's in the same round. Accumulation: vs MultiSteps = per-leaf "
-    "+ optax.MultiSteps time / variant time.")
+NOTES = ("speed-up, spread, collectives, max |Δp|: docs/performance.md#training-step. gap "
+         "closed = (per-leaf - variant) / (per-leaf - grads only); vs MultiSteps = per-leaf + "
+         "optax.MultiSteps time / variant time; vs no saves = a checkpoint row's time over the "
+         "same mode's, same round; \"xK calls\": one step calls the program K times; refused = "
+         "data_parallel raised a TypeError; params+opt/dev in Ψ, the parameter count.")
 
 
 def run(opts: Any, report: h.Report) -> None:

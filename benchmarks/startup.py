@@ -15,7 +15,7 @@ import optax
 
 import jpack
 from benchmarks import harness as h
-from benchmarks import models
+from benchmarks import models, step
 
 TITLE = "Startup: data_parallel + init, 8 CPU devices"
 DEVICES = 8
@@ -48,8 +48,7 @@ def mlp(num_leaves: int) -> models.Model:
 
 MODELS: dict[str, Callable[[], models.Model]] = {
     **{f"mlp_{n}": (lambda n=n: mlp(n)) for n in (25, 200, 1000, 4000)},
-    "gpt2_12x64": lambda: models.gpt2(layers=12, width=64, vocab=1024, positions=32,
-                                      heads=4, seq=16, name="gpt2_12x64"),
+    "gpt2_12x64": lambda: step.MODELS["gpt2_12x64"](),
     "many_small_4000": lambda: models.full_size("many_small_4000", abstract=False),
 }
 
@@ -65,13 +64,8 @@ class Startup:
   again_build_s: float
   again_init_s: float
 
-  @property
-  def first_s(self) -> float:
-    return self.first_build_s + self.first_init_s
-
-  @property
-  def again_s(self) -> float:
-    return self.again_build_s + self.again_init_s
+  first_s = property(lambda self: self.first_build_s + self.first_init_s)
+  again_s = property(lambda self: self.again_build_s + self.again_init_s)
 
 
 def build_and_init(model: models.Model, optimizer: Any, mode: str) -> tuple[float, float]:

@@ -102,21 +102,23 @@ def _cross_entropy(logits, targets):
                   - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])
 
 
+def _linear(p: str, a: int, b: int, w: str = "w", bias: str = "b") -> dict:
+  """A dense layer's f32 params under ``p``: ``w`` (a, b) normal, ``bias`` (b,) zeros."""
+  return {f"{p}/{w}": ((a, b), np.float32, "normal"), f"{p}/{bias}": ((b,), np.float32, "zeros")}
+
+
+def _norm(p: str, n: int, g: str = "g", b: str = "b") -> dict:
+  """A norm's f32 params under ``p``: scale ``g`` ones, shift ``b`` zeros."""
+  return {f"{p}/{g}": ((n,), np.float32, "ones"), f"{p}/{b}": ((n,), np.float32, "zeros")}
+
+
 def _pre_ln_shapes(p: str, width: int, names: tuple[str, str, str, str]) -> dict:
-  """A pre-LN transformer block's params (GPT-2's and ViT's), under prefix ``p``; its
-  four dense layers named ``names`` (attention in, attention out, MLP in, MLP out)."""
+  """A pre-LN block's params (GPT-2's and ViT's) under ``p``, its dense layers ``names``."""
   qkv, proj, fc_in, fc_out = names
-  f32 = np.float32
-  return {p + "ln_1/g": ((width,), f32, "ones"), p + "ln_1/b": ((width,), f32, "zeros"),
-          p + f"attn/{qkv}/w": ((width, 3 * width), f32, "normal"),
-          p + f"attn/{qkv}/b": ((3 * width,), f32, "zeros"),
-          p + f"attn/{proj}/w": ((width, width), f32, "normal"),
-          p + f"attn/{proj}/b": ((width,), f32, "zeros"),
-          p + "ln_2/g": ((width,), f32, "ones"), p + "ln_2/b": ((width,), f32, "zeros"),
-          p + f"mlp/{fc_in}/w": ((width, 4 * width), f32, "normal"),
-          p + f"mlp/{fc_in}/b": ((4 * width,), f32, "zeros"),
-          p + f"mlp/{fc_out}/w": ((4 * width, width), f32, "normal"),
-          p + f"mlp/{fc_out}/b": ((width,), f32, "zeros")}
+  return {**_norm(p + "ln_1", width), **_linear(p + f"attn/{qkv}", width, 3 * width),
+          **_linear(p + f"attn/{proj}", width, width), **_norm(p + "ln_2", width),
+          **_linear(p + f"mlp/{fc_in}", width, 4 * width),
+          **_linear(p + f"mlp/{fc_out}", 4 * width, width)}
 
 
 def _pre_ln_block(blk: dict, h: Any, names: tuple[str, str, str, str], heads: int,
@@ -146,7 +148,7 @@ def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int 
              "wpe": ((positions, width), np.float32, "normal")}
   for i in range(layers):
     s.update(_pre_ln_shapes(f"h{i}/", width, GPT2_NAMES))
-  s.update({"ln_f/g": ((width,), np.float32, "ones"), "ln_f/b": ((width,), np.float32, "zeros")})
+  s.update(_norm("ln_f", width))
 
   def loss(params, tokens):
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -173,19 +175,14 @@ def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int 
   s: dict = {"emb/word": ((vocab, width), f32, "normal"),
              "emb/position": ((positions, width), f32, "normal"),
              "emb/token_type": ((2, width), f32, "normal"),
-             "emb/ln/g": ((width,), f32, "ones"), "emb/ln/b": ((width,), f32, "zeros")}
+             **_norm("emb/ln", width)}
   for i in range(layers):
     p = f"layer{i}/"
     for n in ("q", "k", "v", "attn_out"):
-      s[p + n + "/w"] = ((width, width), f32, "normal")
-      s[p + n + "/b"] = ((width,), f32, "zeros")
-    s.update({p + "ln1/g": ((width,), f32, "ones"), p + "ln1/b": ((width,), f32, "zeros"),
-              p + "ffn_in/w": ((width, 4 * width), f32, "normal"),
-              p + "ffn_in/b": ((4 * width,), f32, "zeros"),
-              p + "ffn_out/w": ((4 * width, width), f32, "normal"),
-              p + "ffn_out/b": ((width,), f32, "zeros"),
-              p + "ln2/g": ((width,), f32, "ones"), p + "ln2/b": ((width,), f32, "zeros")})
-  s.update({"pooler/w": ((width, width), f32, "normal"), "pooler/b": ((width,), f32, "zeros")})
+      s.update(_linear(p + n, width, width))
+    s.update({**_norm(p + "ln1", width), **_linear(p + "ffn_in", width, 4 * width),
+              **_linear(p + "ffn_out", 4 * width, width), **_norm(p + "ln2", width)})
+  s.update(_linear("pooler", width, width))
 
   def loss(params, tokens):
     x, y = tokens[:, :-1], tokens[:, 1:]  # predict a shifted copy: a stand-in for masking
@@ -262,8 +259,7 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
              "pos_embed": ((tokens, width), f32, "normal")}
   for i in range(layers):
     s.update(_pre_ln_shapes(f"block{i}/", width, VIT_NAMES))
-  s.update({"ln_f/g": ((width,), f32, "ones"), "ln_f/b": ((width,), f32, "zeros"),
-            "head/w": ((width, classes), f32, "normal"), "head/b": ((classes,), f32, "zeros")})
+  s.update({**_norm("ln_f", width), **_linear("head", width, classes)})
 
   def loss(params, batch):
     images, labels = batch
@@ -305,7 +301,7 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
     raise ValueError(f"block must be 'bottleneck' or 'basic', got {block!r}")
   f32 = np.float32
   s: dict = {"stem/conv/kernel": ((7, 7, 3, width), f32, "normal"),
-             "stem/bn/scale": ((width,), f32, "ones"), "stem/bn/bias": ((width,), f32, "zeros")}
+             **_norm("stem/bn", width, "scale", "bias")}
   bns = {"stem/bn": width}  # BatchNorm key path -> channels
   cin = width
   for si, n in enumerate(blocks):
@@ -317,17 +313,14 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
                else ((3, cin, mid), (3, mid, out)))
       for j, (k, a, b) in enumerate(convs):
         s[p + f"conv{j}/kernel"] = ((k, k, a, b), f32, "normal")
-        s[p + f"bn{j}/scale"] = ((b,), f32, "ones")
-        s[p + f"bn{j}/bias"] = ((b,), f32, "zeros")
+        s.update(_norm(p + f"bn{j}", b, "scale", "bias"))
         bns[p + f"bn{j}"] = b
       if bi == 0 and (cin != out or si > 0):
         s[p + "proj/kernel"] = ((1, 1, cin, out), f32, "normal")
-        s[p + "proj_bn/scale"] = ((out,), f32, "ones")
-        s[p + "proj_bn/bias"] = ((out,), f32, "zeros")
+        s.update(_norm(p + "proj_bn", out, "scale", "bias"))
         bns[p + "proj_bn"] = out
       cin = out
-  s.update({"head/kernel": ((cin, classes), f32, "normal"),
-            "head/bias": ((classes,), f32, "zeros")})
+  s.update(_linear("head", cin, classes, "kernel", "bias"))
   state = None
   if bn_state:
     state = _make({f"{path}/{stat}": ((c,), f32, "zeros" if stat == "mean" else "ones")

@@ -6,8 +6,6 @@ sets up the devices, and writes ``benchmarks/results/<name>.json``. ``render`` w
 the figures in README.md and docs/ from the results.
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import json

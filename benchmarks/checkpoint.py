@@ -2,8 +2,6 @@
 MLP 40x256, adam, 8 CPU devices, each mode of `VARIANTS`, loops interleaved in rounds.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import pathlib
 import shutil

@@ -3,8 +3,6 @@ the floor (one array of the tree's bytes). Each variant is timed in rounds with 
 baselines; a "vs" ratio is paired by rounds. The sweep replans resnet50's buckets.
 """
 
-from __future__ import annotations
-
 import math
 import statistics
 from typing import Any, Callable

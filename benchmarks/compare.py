@@ -3,8 +3,6 @@
 ``jpack.pmean`` of small leaves timed in rounds, base and new in turn (paired ratios).
 """
 
-from __future__ import annotations
-
 import importlib
 import io
 import pathlib

@@ -4,8 +4,6 @@ nothing run: JAX's CUDA plugin (``pip install -e '.[gpu-compile]'``) compiles fo
 columns: docs/gpu.md.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import importlib
 import pathlib

@@ -1,8 +1,6 @@
 """What every benchmark shares: workloads and inputs, the one way to time, tables and the
 results file. Starts no JAX backend at import (`__main__` sets the CPU devices after)."""
 
-from __future__ import annotations
-
 import ctypes
 import dataclasses
 import datetime
@@ -12,7 +10,6 @@ import math
 import os
 import pathlib
 import platform
-import re
 import shlex
 import statistics
 import time
@@ -116,19 +113,16 @@ def place(x: Any, sharding: Any = None) -> jax.Array:
   return jax.device_put(x, jax.devices()[0] if sharding is None else sharding)
 
 
-def mesh(n: int, axis_types: Any = None) -> jax.sharding.Mesh:
-  """A 1-D mesh of the first ``n`` devices over `AXIS`."""
-  kind = axis_types or jax.sharding.AxisType.Explicit
-  return jax.make_mesh((n,), (AXIS,), axis_types=(kind,), devices=jax.devices()[:n])
+def mesh(n: int) -> jax.sharding.Mesh:
+  """A 1-D mesh of the first ``n`` devices over `AXIS`, its axis Explicit."""
+  return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:n])
 
 
 def bytes_per_device(tree: Any) -> int:
   """Bytes that device 0 holds for ``tree`` (a replicated leaf counts fully)."""
-  total = 0
-  for x in jax.tree.leaves(tree):
-    shards = getattr(x, "addressable_shards", None)
-    total += shards[0].data.nbytes if shards else np.asarray(x).nbytes
-  return total
+  return sum(x.addressable_shards[0].data.nbytes if hasattr(x, "addressable_shards")
+             else np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
 def max_diff(a: Any, b: Any) -> float:
@@ -151,12 +145,11 @@ class Compiled:
   text = lambda self: self.fn.as_text()
 
 
-def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None,
-               compiler_options: dict | None = None) -> Compiled:
+def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None) -> Compiled:
   """``jax.jit(f).lower(*args).compile()``, timed (``f`` may be jitted already)."""
   jitted = f if hasattr(f, "lower") else jax.jit(f, **(jit_kwargs or {}))
   lowered, lower_s = timed(lambda: jitted.lower(*args))
-  compiled, compile_s = timed(lambda: lowered.compile(compiler_options))
+  compiled, compile_s = timed(lowered.compile)
   return Compiled(compiled, lower_s, compile_s)
 
 
@@ -187,9 +180,8 @@ def time_rounds(calls: dict[str, Callable[[], Any]], rounds: int = 5, warmup: in
   starting one call later), after ``warmup`` untimed rounds; ``after(key)`` runs after
   each timed call, outside its time."""
   keys = list(calls)
-  for _ in range(warmup):
-    for key in keys:
-      timed(calls[key])
+  for key in keys * warmup:
+    timed(calls[key])
   times: dict[str, list[float]] = {key: [] for key in keys}
   for r in range(max(1, rounds)):
     for key in keys[r % len(keys):] + keys[:r % len(keys)]:

@@ -4,8 +4,6 @@
 ResNet's BatchNorm statistics) has ``loss(params, state, batch) -> (loss, new_state)``.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any, Callable
 
@@ -137,9 +135,6 @@ GPT2_NAMES = ("c_attn", "c_proj", "c_fc", "c_proj")
 VIT_NAMES = ("qkv", "proj", "fc1", "fc2")
 
 
-# -- GPT-2 -----------------------------------------------------------------------------
-
-
 def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int = 1024,
          heads: int = 12, seq: int = 128, seed: int = 0, abstract: bool = False,
          name: str = "gpt2_small") -> Model:
@@ -161,9 +156,6 @@ def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int 
   batch, like = _tokens(vocab, seq + 1, seed + 1)
   return Model(name, f"GPT-2 decoder {layers}x{width}", _make(s, seed, abstract), loss,
                batch, like)
-
-
-# -- BERT ------------------------------------------------------------------------------
 
 
 def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int = 512,
@@ -204,9 +196,6 @@ def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int 
                batch, like)
 
 
-# -- llama-like, bf16 weights ----------------------------------------------------------
-
-
 def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32000,
           heads: int = 8, seq: int = 128, seed: int = 0, abstract: bool = False,
           name: str = "mixed_llama_tiny") -> Model:
@@ -241,9 +230,6 @@ def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32
   batch, like = _tokens(vocab, seq + 1, seed + 1)
   return Model(name, f"llama-like LM {layers}x{width}, bf16 weights",
                _make(s, seed, abstract), loss, batch, like)
-
-
-# -- ViT -------------------------------------------------------------------------------
 
 
 def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
@@ -281,9 +267,6 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
 def _images(image: int, classes: int, seed: int):
   return _data(lambda n: (jax.ShapeDtypeStruct((n, image, image, 3), jnp.float32),
                           jax.ShapeDtypeStruct((n,), jnp.int32)), seed, classes)
-
-
-# -- ResNet ----------------------------------------------------------------------------
 
 
 RESNET50_BLOCKS = (3, 4, 6, 3)
@@ -387,9 +370,6 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
                _make(s, seed, abstract), loss, batch, like, state)
 
 
-# -- thousands of tiny leaves ----------------------------------------------------------
-
-
 def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bool = False,
                name: str = "many_small_4000") -> Model:
   """A mixture of ``len(sizes)`` tiny experts: expert i maps the input through
@@ -407,9 +387,6 @@ def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bo
                                  jax.ShapeDtypeStruct((n,), jnp.float32)), seed + 1)
   return Model(name, f"{len(sizes)} tiny experts", _make(s, seed, abstract), loss, batch,
                like)
-
-
-# -- the workloads at full size --------------------------------------------------------
 
 
 def full_size(name: str, *, abstract: bool = True) -> Model:

@@ -4,8 +4,6 @@
 torch). Times: one call's wall time, the median of interleaved rounds.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any
 
@@ -53,9 +51,6 @@ def _check_floating(w: h.Workload) -> None:
     raise SystemExit(f"Workload {w.name!r} has non-floating leaves ({', '.join(bad[:3])}"
                      f"{' ...' if len(bad) > 3 else ''}); adam needs floating parameters. "
                      "Choose another workload with --workloads.")
-
-
-# -- the variants ----------------------------------------------------------------------
 
 
 class _Update:
@@ -119,9 +114,6 @@ def _import_torch() -> Any:
   return torch
 
 
-# -- measuring -------------------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class Result:
   workload: h.Workload
@@ -176,9 +168,6 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
         flush=True)
   return Result(w, len(layout.buckets), timings, compile_s,
                 torch_adam.label if torch_adam else "n/a", max_diff)
-
-
-# -- reporting -------------------------------------------------------------------------
 
 
 def _speedup(timings: dict[str, h.Timing], base: str) -> float | None:

@@ -3,8 +3,6 @@ tree's bytes and (b) per-leaf ``x * 2``, with ``ravel_pytree``, the calls outsid
 ``jpack.plan``. Each op is compiled alone and its output materialized.
 """
 
-from __future__ import annotations
-
 from typing import Any, Callable
 
 import jax

@@ -8,8 +8,6 @@ A marked block is ``<!-- figures: NAME -->`` ... ``<!-- /figures -->``, NAME one
 missing file renders as the command that makes it). Imports neither JAX nor jpack.
 """
 
-from __future__ import annotations
-
 import json
 import pathlib
 import re
@@ -118,8 +116,6 @@ def _speedup_and_spread(base: Row | None, row: Row | None) -> str:
   ratios = [x / y for x, y in zip(a, b)]
   return f"{ratio} ({min(ratios):.2f}–{max(ratios):.2f})"
 
-
-# -- renderers --------------------------------------------------------------------------
 
 # The step table's columns as performance.md shows them (not the benchmark's targets).
 STEP_COLUMNS = ("variant", "step ms", "speed-up", "spread", "vs no saves", "compile s",
@@ -330,9 +326,6 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "checkpoint": render_checkpoint, "gpu_compile": render_gpu_compile,
     "startup": render_startup,
 }
-
-
-# -- pages ------------------------------------------------------------------------------
 
 
 def render_text(text: str, results: Results) -> str:

@@ -3,8 +3,6 @@ compiles, per model and mode on 8 CPU devices: "first" with a new optimizer obje
 check probes it), "again" the same object (its verdict cached).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import statistics
 from typing import Any, Callable

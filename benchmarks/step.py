@@ -3,8 +3,6 @@
 batch, timed in interleaved rounds of ``--steps`` steps. Columns: docs/performance.md.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import pathlib
@@ -137,8 +135,6 @@ GOALS = {("mlp_40x256", "allreduce"): 1.0, ("mlp_40x256", "optax_chain"): 1.0,
             for k, g in (("packed", 1.3), ("sharded", 1.5), ("hand_pmean", 1.0))},
          **{("gpt2_12x64", f"sharded_{o}"): 1.2 for o in ("adamw_mask", "lamb", "muon")}}
 
-# -- models --------------------------------------------------------------------------------
-
 
 def mlp(depth: int, width: int, seed: int = 0) -> Model:
   """``depth`` layers of ``tanh((h @ w + b) * scale + shift)``: 4 leaves per layer."""
@@ -205,8 +201,6 @@ MODEL_VARIANTS = {"gpt2_12x64": REAL_MODEL_VARIANTS + OPTIMIZER_VARIANTS,
 BIG_MODEL_VARIANTS = ("per_leaf", "jit", "jit_zero1", "allreduce", "packed", "sharded",
                       "sharded_bf16", "grad_only")
 BIG_MODEL_PARAMS = 10_000_000
-
-# -- building the steps ---------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -368,9 +362,6 @@ def build(v: Variant, model: Model, mesh) -> Built:
   """Variant ``v``'s step on ``mesh``."""
   layout = jpack.plan(model.params, num_shards=mesh.shape[AXIS])
   return BUILDERS[v.kind](v, model, mesh, optimizer(v, model.params), layout)
-
-
-# -- measuring -------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass

@@ -92,8 +92,7 @@ def _check(p: argparse.ArgumentParser, module: Any, opts: argparse.Namespace) ->
     if unknown:
       p.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from "
               f"{', '.join(known)}")
-  error = getattr(module, "check", lambda opts: None)(opts)
-  if error:
+  if error := getattr(module, "check", lambda opts: None)(opts):
     p.error(error)
 
 

@@ -66,10 +66,7 @@ def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
 
 def checkpoint_bytes(manager: Any) -> int:
   """The size on disk of ``manager``'s latest checkpoint (0: none)."""
-  step = manager.latest_step()
-  if step is None:
-    return 0
-  latest = pathlib.Path(manager.directory) / str(step)
+  latest = pathlib.Path(manager.directory) / str(manager.latest_step())
   return sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
 
 
@@ -155,7 +152,4 @@ def run(opts: Any, report: h.Report) -> None:
                   saves_per_loop=opts.steps // EVERY)
       h.release_host_memory()
   report.table(table)
-  report.text("step ms: the loop's wall time over its steps, median of rounds. vs no "
-              "saves: over the no-save loop's in the same round (median). save call ms: "
-              "how long one saving call of jpack.checkpoint.save blocks the loop once the "
-              "queued steps are done. wait at end: manager.wait_until_finished().")
+  report.text("Columns: docs/performance.md#checkpoints.")

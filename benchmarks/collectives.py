@@ -123,7 +123,6 @@ def bench_workload(mesh, w: h.Workload, variants: list[str], rounds: int
 
 
 def bucket_sweep(mesh, w: h.Workload, sizes_mib: tuple[int, ...], rounds: int) -> list[tuple]:
-  print(f"\nbucket sweep on {w.describe()}", flush=True)
   tree = h.random_tree(w.shapes, seed=0, lead=DEVICES, sharding=NamedSharding(mesh, P(AXIS)))
   out = []
   for mib in sizes_mib:
@@ -218,9 +217,5 @@ def run(opts: Any, report: h.Report) -> None:
                 **h.collective_values(colls))
     report.table(sweep)
   report.table(goals)
-  report.text("Notes: inputs are (8, *shape) per leaf, sharded P('batch'); every variant "
-              "returns the tree replicated, except 'x*2 local'. 'jpack s+g' = "
-              "method='scatter_gather' (what 'auto' picks here); 'jpack bf16 wire' = "
-              "comm_dtype=bfloat16: XLA:CPU widens bf16 collectives to f32, so jpack sends "
-              "the narrow wire as u16 bits (all-to-all + local f32 sum, all-gather of the "
-              f"result). Above {SLOW_LEAVES} leaves only {', '.join(SLOW_VARIANTS)} run.")
+  report.text("Variants and columns: docs/performance.md#collectives. Above "
+              f"{SLOW_LEAVES} leaves only {', '.join(SLOW_VARIANTS)} run.")

@@ -27,8 +27,6 @@ WORKLOADS_DIR = BENCHMARKS_DIR / "workloads"
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 AXIS = "batch"
 
-# -- workloads and inputs ---------------------------------------------------------------
-
 
 def workload_names() -> list[str]:
   """The workloads of benchmarks/workloads/*.json, smallest first."""
@@ -132,9 +130,6 @@ def max_diff(a: Any, b: Any) -> float:
              default=0.0)
 
 
-# -- the one way to time ----------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class Compiled:
   """An AOT-compiled function (call ``fn``), and its lowering and compile times."""
@@ -190,8 +185,6 @@ def time_rounds(calls: dict[str, Callable[[], Any]], rounds: int = 5, warmup: in
         after(key)
   return {k: Timing(statistics.median(t), min(t), len(t), tuple(t)) for k, t in times.items()}
 
-
-# -- tables and the results file --------------------------------------------------------
 
 class Table:
   """Rows of formatted cells, with the numbers behind them (``values``, in the JSON)."""
@@ -305,9 +298,6 @@ def finite(x: Any) -> Any:
   return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-# -- formatting --------------------------------------------------------------------------
-
-
 def fmt_ms(seconds: float | None) -> str:
   return "-" if seconds is None else f"{1e3 * seconds:{'.3g' if seconds < 0.1 else '.0f'}}"
 
@@ -336,9 +326,6 @@ def collective_values(colls: Collectives) -> dict[str, Any]:
 
 def verdict(ok: bool | None) -> str:
   return "SKIP" if ok is None else ("PASS" if ok else "MISS")
-
-
-# -- the machine -------------------------------------------------------------------------
 
 
 def machine_info() -> dict[str, Any]:

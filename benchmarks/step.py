@@ -36,8 +36,7 @@ QUICK = dict(steps=5, rounds=3, models=["mlp_40x256"])
 WEIGHT_DECAY = 0.1  # GPT-2's adamw
 
 
-def decays(params: Any) -> Any:
-  """GPT-2's weight-decay mask: matrices and embeddings, not biases and norms."""
+def decays(params: Any) -> Any:  # GPT-2's weight-decay mask: not biases and norms
   return jax.tree.map(lambda x: np.ndim(x) >= 2, params)
 
 

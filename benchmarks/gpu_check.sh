@@ -67,14 +67,12 @@ run_step() {
 echo "jpack GPU check: outputs in $OUT"
 
 run_step env 30 "$PYTHON" - <<'EOF'
-import os, platform, shutil, subprocess
+import shutil, subprocess
+from benchmarks import harness
 smi = shutil.which("nvidia-smi")
 print(subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
       if smi else "nvidia-smi: not found")
-import jax, jaxlib, optax
-print(f"python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-      f"optax {optax.__version__}, {os.cpu_count()} CPUs")
-print("devices:", jax.devices())
+print("machine:", harness.machine())
 try:  # after JAX's backend: torch's CUDA libraries must not be loaded first
   import torch
   print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")

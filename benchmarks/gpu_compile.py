@@ -5,6 +5,7 @@ columns: docs/gpu.md.
 """
 
 import dataclasses
+import functools
 import importlib
 import pathlib
 from typing import Any
@@ -38,8 +39,7 @@ QUICK = dict(models=["gpt2_small"], variants=["floor", "per_leaf", "allreduce", 
                                               "sharded"])
 
 
-def _v(label: str, **kw: Any) -> Variant:
-  return Variant(label, optimizer=kw.pop("optimizer", "adamw"), **kw)
+_v = functools.partial(Variant, optimizer="adamw")
 
 
 BF16 = jnp.bfloat16
@@ -238,7 +238,7 @@ def run_workload(name: str, variants: list[str], report: h.Report,
   for key, r in results.items():
     p = r.program
     kr, hr, share = shares(key, r, results)
-    table.add(VARIANTS[key], p.kernels, f"{p.hbm_bytes / 2**20:,.0f}",
+    table.add(VARIANTS[key].label, p.kernels, f"{p.hbm_bytes / 2**20:,.0f}",
               f"{p.copy_bytes / 2**20:,.0f}", p.collective_summary(),
               f"{p.overlapped}/{len(p.collectives)}", f"{r.temp_bytes / 2**20:,.0f}",
               f"{r.arg_bytes / 2**20:,.0f}", share, f"{r.lower_s + r.compile_s:.1f}",
@@ -272,7 +272,7 @@ def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> h.Tab
   g = h.Table(["mode", "goal", "result"], title=f"{name}: goals")
   for mode, checks in goals(results, grad_bytes).items():
     for goal, ok in checks.items():
-      g.add(VARIANTS[mode], goal, h.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
+      g.add(VARIANTS[mode].label, goal, h.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
   return g
 
 

@@ -74,13 +74,12 @@ class _TorchAdam:
   def __init__(self, torch: Any, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]):
     self.torch = torch
     self.cuda = torch.cuda.is_available()
-    device = "cuda" if self.cuda else "cpu"
-    self.label = "fused (CUDA)" if self.cuda else "foreach (CPU)"
+    self.label, device, kind = (("fused (CUDA)", "cuda", {"fused": True}) if self.cuda
+                                else ("foreach (CPU)", "cpu", {"foreach": True}))
     self.tensors = {k: self._tensor(v, device) for k, v in params.items()}
     for k, t in self.tensors.items():
       t.requires_grad_(True)
       t.grad = self._tensor(grads[k], device)
-    kind = {"fused": True} if self.cuda else {"foreach": True}
     self.opt = torch.optim.Adam(list(self.tensors.values()), lr=LEARNING_RATE, **kind)
 
   def _tensor(self, x: np.ndarray, device: str) -> Any:
@@ -106,8 +105,8 @@ def _import_torch() -> Any:
   except (ImportError, OSError) as e:
     print(f"torch: n/a ({type(e).__name__}: {e})", flush=True)
     return None
-  cuda = "available" if torch.cuda.is_available() else "not available"
-  print(f"torch: {torch.__version__}, CUDA {cuda}", flush=True)
+  print(f"torch: {torch.__version__}, CUDA {'' if torch.cuda.is_available() else 'not '}"
+        "available", flush=True)
   return torch
 
 

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
 
   from benchmarks import harness
-  devices = opts.devices = opts.devices or module.DEVICES
+  devices = opts.devices = opts.devices or getattr(module, "DEVICES", None)
   if devices:
     jax.config.update("jax_num_cpu_devices", devices)
   if devices and jax.device_count() < devices:

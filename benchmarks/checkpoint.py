@@ -50,9 +50,8 @@ def make_manager(directory: pathlib.Path, *, asynchronous: bool = True,
 
 def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
               manager: Any = None) -> tuple[Any, Any, list[float]]:
-  """``steps`` steps from ``start``, ``jpack.checkpoint.save`` where ``manager`` saves;
-  the state, the last metrics, and each saving call's time (queued steps waited for
-  outside it)."""
+  """``steps`` steps from ``start``, saving where ``manager`` does: the state, the last
+  metrics, and each saving call's time (the queued steps waited for outside it)."""
   calls, metrics = [], None
   for step in range(start, start + steps):
     state, metrics = step_fn(state, batch)

@@ -26,7 +26,6 @@ from benchmarks.render import GPU_COLUMNS
 from jpack._reference import CollectiveOp, Program, analyze_program
 
 TITLE = "Data-parallel steps compiled for 8 H100s (not run)"
-DEVICES = None
 MERGE_KEY = "workload"
 AXIS = h.AXIS
 NUM_GPUS = 8

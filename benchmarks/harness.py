@@ -171,9 +171,8 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def time_rounds(calls: dict[str, Callable[[], Any]], rounds: int = 5, warmup: int = 1,
                 after: Callable[[str], Any] | None = None) -> dict[str, Timing]:
-  """The wall time of every call, in interleaved rounds of one call each (each round
-  starting one call later), after ``warmup`` untimed rounds; ``after(key)`` runs after
-  each timed call, outside its time."""
+  """Every call's wall time in interleaved rounds (each starting one call later), after
+  ``warmup`` untimed rounds; ``after(key)`` runs after each timed call, untimed."""
   keys = list(calls)
   for key in keys * warmup:
     timed(calls[key])

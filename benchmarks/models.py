@@ -5,6 +5,9 @@ ResNet's BatchNorm statistics) has ``loss(params, state, batch) -> (loss, new_st
 """
 
 import dataclasses
+import functools
+import math
+import operator
 from typing import Any, Callable
 
 import jax
@@ -33,10 +36,7 @@ def _nest(flat: dict[str, Any]) -> dict:
   out: dict = {}
   for path, x in flat.items():
     *parents, last = path.split("/")
-    d = out
-    for p in parents:
-      d = d.setdefault(p, {})
-    d[last] = x
+    functools.reduce(lambda d, p: d.setdefault(p, {}), parents, out)[last] = x
   return out
 
 
@@ -48,9 +48,8 @@ def _make(shapes: dict[str, tuple[tuple[int, ...], Any, str]], seed: int, abstra
     if abstract:
       flat[path] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
     elif init == "normal":
-      fan_in = shape[-2] if len(shape) >= 2 else shape[0]
-      if len(shape) == 4:  # conv kernel HWIO
-        fan_in = shape[0] * shape[1] * shape[2]
+      # conv kernels (HWIO): H * W * I; matrices: their rows
+      fan_in = math.prod(shape[:3]) if len(shape) == 4 else shape[max(0, len(shape) - 2)]
       flat[path] = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(dtype)
     else:
       flat[path] = (np.ones if init == "ones" else np.zeros)(shape, dtype)
@@ -321,16 +320,12 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
       mean = jnp.mean(x, (0, 1, 2))
       var = jnp.mean(jnp.square(x - mean), (0, 1, 2))
       if running is not None:
-        old = running
-        for k in path.split("/"):
-          old = old[k]
+        old = functools.reduce(operator.getitem, path.split("/"), running)
         new[path + "/mean"] = BN_MOMENTUM * old["mean"] + (1 - BN_MOMENTUM) * \
             jax.lax.stop_gradient(mean)
         new[path + "/var"] = BN_MOMENTUM * old["var"] + (1 - BN_MOMENTUM) * \
             jax.lax.stop_gradient(var)
-      p = params
-      for k in path.split("/"):
-        p = p[k]
+      p = functools.reduce(operator.getitem, path.split("/"), params)
       return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
 
     h = jax.nn.relu(bn(conv(images, params["stem"]["conv"]["kernel"], 2), "stem/bn"))

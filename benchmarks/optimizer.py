@@ -16,7 +16,6 @@ import jpack
 from benchmarks import harness as h
 
 TITLE = "jpack optimizer update benchmark"
-DEVICES = None
 MERGE_KEY = "workload"
 LEARNING_RATE = 1e-3
 MODELS = h.workload_names()
@@ -46,8 +45,7 @@ def _check_floating(w: h.Workload) -> None:
   bad = [p for p, s in w.shapes.items() if not jnp.issubdtype(s.dtype, jnp.floating)]
   if bad:
     raise SystemExit(f"Workload {w.name!r} has non-floating leaves ({', '.join(bad[:3])}"
-                     f"{' ...' if len(bad) > 3 else ''}); adam needs floating parameters. "
-                     "Choose another workload with --workloads.")
+                     "...): adam needs floating parameters; choose other --workloads.")
 
 
 class _Update:

@@ -14,7 +14,6 @@ from benchmarks import harness as h
 from jpack._pack import unpack_shared  # unpack, equal slices sharing kernels
 
 TITLE = "jpack pack / unpack benchmark"
-DEVICES = None
 MERGE_KEY = "workload"
 MODELS = h.workload_names()
 VARIANTS = {"single": "(a) x*2 single", "per_leaf": "(b) x*2 per-leaf",
@@ -74,8 +73,7 @@ def bench_workload(w: h.Workload, rounds: int) -> tuple[dict[str, dict], jpack.L
   # The same calls outside jit, as a script makes them: the first call compiles.
   for key, f, arg in (("eager_pack", lambda t: jpack.pack(t, layout), tree),
                       ("eager_unpack", jpack.unpack, packed)):
-    first = h.time_rounds({"f": lambda: f(arg)}, 1, warmup=0)["f"].median_s
-    res[key] = {"first_s": first,
+    res[key] = {"first_s": h.timed(lambda: f(arg))[1],
                 "later_s": h.time_rounds({"f": lambda: f(arg)}, rounds, warmup=0)["f"].median_s}
   for key, r in res.items():
     print(f"  {key:<14} " + "  ".join(f"{k} {v:.4g}" for k, v in r.items()

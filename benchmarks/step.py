@@ -490,13 +490,6 @@ def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, roun
     return out
 
 
-def gap_closed(t_per_leaf: float | None, t_variant: float, t_floor: float | None
-               ) -> float | None:
-  if t_per_leaf is None or t_floor is None or t_per_leaf <= t_floor:
-    return None
-  return (t_per_leaf - t_variant) / (t_per_leaf - t_floor)
-
-
 def _saving_values(r: Result, plain: Result | None) -> dict[str, Any]:
   """A checkpoint row's figures (None for the other rows)."""
   if r.saves is None:
@@ -535,8 +528,8 @@ def table(model: Model, results: dict[str, Result | str], devices: int) -> h.Tab
     ratios = [a / b for a, b in zip(base.block_s, r.block_s)] if base and len(
         base.block_s) == len(r.block_s) else None
     vs_multi = h.ratio(multi.step_s, r.step_s) if multi and key in ACCUMULATING else None
-    closed = None if v.saves else gap_closed(base and base.step_s, r.step_s,
-                                             floor and floor.step_s)
+    closed = (None if v.saves or not (base and floor) or base.step_s <= floor.step_s
+              else (base.step_s - r.step_s) / (base.step_s - floor.step_s))
     saving = _saving_values(r, timed.get(v.mode) if v.saves else None)
     diff = h.max_diff(r.params, base.params) if v.compared and base else None
     diff_multi = (h.max_diff(r.params, multi.params)

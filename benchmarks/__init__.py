@@ -1,8 +1,6 @@
-"""Benchmarks for jpack: ``python -m benchmarks <name> [options]`` from the repository root.
-
-Not part of the installed package: they use jpack's public API, and
-``jpack._reference`` for the steps without jpack and for reading compiled programs.
-"""
+"""Benchmarks for jpack (not installed): ``python -m benchmarks <name> [options]`` from
+the repository root. They use jpack's API and ``jpack._reference`` (steps without jpack,
+reading compiled programs)."""
 
 # Each benchmark, and the environment it needs before JAX's backend starts.
 BENCHMARKS = {

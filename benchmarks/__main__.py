@@ -1,21 +1,16 @@
 """``python -m benchmarks <name> [options]``: the one command line of the benchmarks.
 
 Each benchmark is a module ``benchmarks.<name>`` of data (its models and variants) and a
-``run(opts, report)`` that measures them; this parses every option, checks the names
-against that data before anything runs, sets up the devices, and writes the results to
-``benchmarks/results/<name>.json``. ``all`` runs every benchmark in a fresh process
-(each sets the number of CPU devices, which JAX takes only before its backend starts);
-``render`` writes the figures in README.md and docs/ from the results.
+``run(opts, report)``; this checks the options against that data before anything runs,
+sets up the devices, and writes ``benchmarks/results/<name>.json``. ``render`` writes
+the figures in README.md and docs/ from the results.
 """
-
-from __future__ import annotations
 
 import argparse
 import importlib
 import json
 import os
 import pathlib
-import subprocess
 import sys
 from typing import Any
 
@@ -31,8 +26,7 @@ def _positive(kind: type) -> Any:
     except ValueError:
       raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:
-      raise argparse.ArgumentTypeError(f"must be >= 1, got {text}" if kind is int
-                                       else f"must be > 0, got {text}")
+      raise argparse.ArgumentTypeError(f"must be {'>= 1' if kind is int else '> 0'}, got {text}")
     return value
   return parse
 
@@ -49,7 +43,7 @@ def _names(text: str) -> list[str]:
 
 
 def _output(text: str) -> str:
-  """A file path whose folder exists: checked before a run of minutes fails at its end."""
+  """A file path whose folder exists (checked before a long run fails at its end)."""
   path = pathlib.Path(text)
   if path.is_dir() or not path.parent.is_dir():
     raise argparse.ArgumentTypeError(f"{text!r}: not a file in a folder that exists "
@@ -60,8 +54,8 @@ def _output(text: str) -> str:
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m benchmarks", epilog=EPILOG,
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("name", choices=[*BENCHMARKS, "all", "render"], metavar="NAME",
-                 help=f"one of {', '.join(BENCHMARKS)}; all; render")
+  p.add_argument("name", choices=[*BENCHMARKS, "render"], metavar="NAME",
+                 help=f"one of {', '.join(BENCHMARKS)}; render")
   p.add_argument("--list", action="store_true", help="list the models and variants")
   p.add_argument("--models", "--workloads", type=_names, help="models or workloads")
   p.add_argument("--variants", "--modes", type=_names, help="variants (or modes)")
@@ -71,8 +65,6 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=_positive(int), help="calls per timed round")
   p.add_argument("--devices", type=_positive(int), help="devices on the data-parallel axis")
   p.add_argument("--batch", type=_positive(int), help="rows per device")
-  p.add_argument("--bucket-bytes", type=_positive(int),
-                 help="bucket_bytes of jpack.plan in the steps written here")
   p.add_argument("--scale", type=_fraction,
                  help="optimizer: every leaf's largest dimension times this, in (0, 1]")
   p.add_argument("--max-leaves", type=_positive(int), help="leaves kept per workload")
@@ -100,20 +92,8 @@ def _check(p: argparse.ArgumentParser, module: Any, opts: argparse.Namespace) ->
     if unknown:
       p.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from "
               f"{', '.join(known)}")
-  error = getattr(module, "check", lambda opts: None)(opts)
-  if error:
+  if error := getattr(module, "check", lambda opts: None)(opts):
     p.error(error)
-
-
-def _run_all(opts: argparse.Namespace) -> int:
-  status = 0
-  for name in BENCHMARKS:
-    cmd = [sys.executable, "-m", "benchmarks", name, *(["--quick"] if opts.quick else [])]
-    print(f"\n### {' '.join(cmd[1:])}", flush=True)
-    rc = subprocess.call(cmd)
-    print(f"### {name}: {'ok' if rc == 0 else f'exit {rc}'}", flush=True)
-    status = status or rc
-  return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
   if opts.name == "render":
     from benchmarks import render
     return render.main(check=opts.check)
-  if opts.name == "all":
-    return _run_all(opts)
   os.environ.update(BENCHMARKS[opts.name])  # before JAX's backend starts
   module = importlib.import_module(f"benchmarks.{opts.name}")
   if opts.list:
@@ -134,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
 
   from benchmarks import harness
-  devices = opts.devices = opts.devices or module.DEVICES
+  devices = opts.devices = opts.devices or getattr(module, "DEVICES", None)
   if devices:
     jax.config.update("jax_num_cpu_devices", devices)
   if devices and jax.device_count() < devices:
@@ -148,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
   report = harness.Report(opts.name, module.TITLE, argv)
   print(f"== benchmarks {opts.name} ==\nmachine: {harness.machine()}", flush=True)
 
-  def save() -> None:
-    """Write what the run has so far: a long run stopped by a limit keeps it."""
+  def save() -> None:  # what the run has so far: a run stopped by a limit keeps it
     doc = report.json()
     if earlier is not None:
       doc = harness.merged(earlier, doc, module.MERGE_KEY, list(module.VARIANTS),

@@ -1,16 +1,6 @@
-"""Step time with an Orbax checkpoint every 10 steps against none, on 8 CPU devices.
-
-The step benchmark's main model (MLP 40x256, adam) in each mode, the same loop of
-steps run three ways (`VARIANTS`): no saves; ``jpack.checkpoint.save`` after every step
-with a ``CheckpointManager`` saving every 10th asynchronously (Orbax's default: the
-files are written while the next steps run); the same synchronously. "step ms" is the
-loop's time over its steps, the wait for the last asynchronous write shown apart; "vs no
-saves" the median over rounds of the loop's time over the no-save loop's in the same
-round; "save call ms" how long a saving call holds the loop up once the steps queued
-before it are done.
+"""Step time with an Orbax checkpoint every 10 steps (asynchronous or not) against none:
+MLP 40x256, adam, 8 CPU devices, each mode of `VARIANTS`, loops interleaved in rounds.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import pathlib
@@ -39,9 +29,7 @@ QUICK = dict(steps=40, rounds=3)
 
 @dataclasses.dataclass(frozen=True)
 class EveryFrom:
-  """An Orbax save decision policy: save at step ``start`` and every `EVERY` steps after
-  it. The step benchmark saves on the first step of each round with it, so that the
-  write runs beside the round's next steps, as it would in a training loop."""
+  """An Orbax save decision policy: save at step ``start`` and every `EVERY` after."""
   start: int
 
   def should_save(self, step: Any, previous_steps: Any = (), *, context: Any = None) -> bool:
@@ -51,8 +39,7 @@ class EveryFrom:
 
 def make_manager(directory: pathlib.Path, *, asynchronous: bool = True,
                  policy: Any = None) -> Any:
-  """An Orbax ``CheckpointManager`` saving every `EVERY` steps (or by ``policy``),
-  keeping the latest two checkpoints."""
+  """An Orbax ``CheckpointManager`` saving every `EVERY` steps (or by ``policy``)."""
   import orbax.checkpoint as ocp
 
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
@@ -63,12 +50,8 @@ def make_manager(directory: pathlib.Path, *, asynchronous: bool = True,
 
 def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
               manager: Any = None) -> tuple[Any, Any, list[float]]:
-  """``steps`` calls of ``step_fn(state, batch)`` from step count ``start``, with
-  ``jpack.checkpoint.save`` after every step that ``manager``'s policy saves.
-
-  Returns the state, the last metrics, and how long each saving call held the loop up:
-  the steps queued before it are waited for outside its time (a save copies the values,
-  so it waits for them). Nothing waits for the last steps or the writes."""
+  """``steps`` steps from ``start``, saving where ``manager`` does: the state, the last
+  metrics, and each saving call's time (the queued steps waited for outside it)."""
   calls, metrics = [], None
   for step in range(start, start + steps):
     state, metrics = step_fn(state, batch)
@@ -82,16 +65,12 @@ def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
 
 def checkpoint_bytes(manager: Any) -> int:
   """The size on disk of ``manager``'s latest checkpoint (0: none)."""
-  step = manager.latest_step()
-  if step is None:
-    return 0
-  latest = pathlib.Path(manager.directory) / str(step)
+  latest = pathlib.Path(manager.directory) / str(manager.latest_step())
   return sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
 
 
 @dataclasses.dataclass
-class Loop:
-  """The running state of one way of looping, and what its rounds took."""
+class Loop:  # one way of looping, and what its rounds took
   dp: Any
   state: Any
   batch: Any
@@ -112,7 +91,6 @@ class Loop:
     return metrics["loss"]
 
   def finish(self) -> None:
-    """After a timed loop: wait for its writes (shown apart), then drop them."""
     if self.manager is not None:
       _, wait = h.timed(self.manager.wait_until_finished)
       self.waits.append(wait)
@@ -130,7 +108,7 @@ def bench_mode(mode: str, steps: int, rounds: int, root: pathlib.Path) -> tuple[
   batch = jax.device_put(model.batch(PER_DEVICE_BATCH * DEVICES),
                          jax.sharding.NamedSharding(h.mesh(DEVICES), jax.P(h.AXIS)))
   state = dp.init(model.params)
-  # Compile the step and warm up a save (Orbax starts its threads on the first one).
+  # Compile the step and warm up a save (Orbax starts its threads).
   warm = Loop(dp, state, batch, "async", root / f"{mode}-warm-up")
   warm(EVERY)
   warm.finish()
@@ -173,7 +151,4 @@ def run(opts: Any, report: h.Report) -> None:
                   saves_per_loop=opts.steps // EVERY)
       h.release_host_memory()
   report.table(table)
-  report.text("step ms: the loop's wall time over its steps, median of rounds. vs no "
-              "saves: over the no-save loop's in the same round (median). save call ms: "
-              "how long one saving call of jpack.checkpoint.save blocks the loop once the "
-              "queued steps are done. wait at end: manager.wait_until_finished().")
+  report.text("Columns: docs/performance.md#checkpoints.")

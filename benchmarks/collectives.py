@@ -1,16 +1,7 @@
 """``pmean`` of each workload over 8 CPU devices: jpack against per-leaf ``lax.pmean`` and
-the floor, one pmean of a single array of the tree's bytes.
-
-Every variant is ``jax.jit(jax.shard_map(body, in_specs=P("batch"), out_specs=P()))`` on
-a tree whose leaves carry a leading axis of 8 (one slice per device). All variants of a
-workload are compiled first; then the baselines are timed in interleaved rounds, and
-every other variant in rounds with them. Each "vs" ratio is paired: the median over one
-group's rounds of the variant's time over the baseline's in the same round (the host
-drifts between groups). A baseline's own row shows the median of its group medians. The
-bucket-size sweep replans resnet50 with several ``bucket_bytes``.
+the floor (one array of the tree's bytes). Each variant is timed in rounds with the two
+baselines; a "vs" ratio is paired by rounds. The sweep replans resnet50's buckets.
 """
-
-from __future__ import annotations
 
 import math
 import statistics
@@ -26,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jpack
 from benchmarks import harness as h
+from jpack._collectives import reduce  # jpack.pmean with the method named
 
 TITLE = "jpack collectives benchmark"
 DEVICES = 8
@@ -67,7 +59,7 @@ def bodies(layout: jpack.Layout) -> dict[str, tuple[Callable, Any]]:
     flat, unravel = ravel_pytree(_local(t))
     return unravel(lax.pmean(flat, AXIS))
 
-  by = lambda method: lambda t: h.reduce_with_method(_local(t), AXIS, layout, method)
+  by = lambda method: lambda t: reduce(_local(t), AXIS, mean=True, layout=layout, method=method)
   return {"per_leaf": (lambda t: jax.tree.map(lambda x: lax.pmean(x, AXIS), _local(t)), P()),
           "ravel": (ravel, P()), "jpack_psum": (by("psum"), P()),
           "jpack_sg": (by("scatter_gather"), P()),
@@ -131,7 +123,6 @@ def bench_workload(mesh, w: h.Workload, variants: list[str], rounds: int
 
 
 def bucket_sweep(mesh, w: h.Workload, sizes_mib: tuple[int, ...], rounds: int) -> list[tuple]:
-  print(f"\nbucket sweep on {w.describe()}", flush=True)
   tree = h.random_tree(w.shapes, seed=0, lead=DEVICES, sharding=NamedSharding(mesh, P(AXIS)))
   out = []
   for mib in sizes_mib:
@@ -226,9 +217,5 @@ def run(opts: Any, report: h.Report) -> None:
                 **h.collective_values(colls))
     report.table(sweep)
   report.table(goals)
-  report.text("Notes: inputs are (8, *shape) per leaf, sharded P('batch'); every variant "
-              "returns the tree replicated, except 'x*2 local'. 'jpack s+g' = "
-              "method='scatter_gather' (what 'auto' picks here); 'jpack bf16 wire' = "
-              "comm_dtype=bfloat16: XLA:CPU widens bf16 collectives to f32, so jpack sends "
-              "the narrow wire as u16 bits (all-to-all + local f32 sum, all-gather of the "
-              f"result). Above {SLOW_LEAVES} leaves only {', '.join(SLOW_VARIANTS)} run.")
+  report.text("Variants and columns: docs/performance.md#collectives. Above "
+              f"{SLOW_LEAVES} leaves only {', '.join(SLOW_VARIANTS)} run.")

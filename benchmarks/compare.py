@@ -1,16 +1,7 @@
-"""A change against the code before it, in one process: paired step-time ratios.
-
-``--baseline REV``'s ``jpack/`` is extracted with ``git archive`` into a temporary
-folder as the package ``jpack_base`` (its imports rewritten), so that it and the working
-tree's ``jpack`` run side by side on the same 8 CPU devices. Per model: each
-``data_parallel`` mode of ``--variants`` and ``optax.chain(jpack.optax.allreduce, adam)``
-in the plain shard_map step; then ``jpack.pmean`` of 1000 small f32 leaves. Each case is
-timed in rounds of one block of ``--steps`` calls per side, base and new in turn;
-"new/base" is the median over rounds of new's time over base's in the same round, and
-the range the smallest and largest of those: the noise to judge a ratio by.
+"""A change against ``--baseline REV``, in one process: REV's ``jpack/`` imported as
+``jpack_base`` beside the working tree's, each ``data_parallel`` mode, the optax chain and
+``jpack.pmean`` of small leaves timed in rounds, base and new in turn (paired ratios).
 """
-
-from __future__ import annotations
 
 import importlib
 import io
@@ -48,15 +39,13 @@ VARIANTS = ("allreduce", "packed", "sharded", "fsdp")  # the modes
 DEFAULTS = dict(rounds=6, steps=10, models=list(st.DEFAULT_MODELS))
 QUICK = dict(rounds=2, steps=3, models=["mlp_4x32"])
 
-# `import jpack...` at the start of a line, and `jpack.name` in code (not inside a word,
-# a dotted name, quotes or backticks: messages and docs keep it).
+# `import jpack...`, and `jpack.name` in code (not in words, names, quotes or backticks).
 _IMPORT_RE = re.compile(r"^(\s*(?:from|import)\s+)jpack\b", re.MULTILINE)
 _ATTR_RE = re.compile(r"(?<![\w.`'\"])jpack\.(?=[A-Za-z_])")
 
 
 def extract_baseline(rev: str, folder: pathlib.Path) -> tuple[types.ModuleType, str]:
-  """Import revision ``rev``'s ``jpack/`` as `BASE_PACKAGE` from ``folder``; returns the
-  module and the commit ``rev`` names."""
+  """Revision ``rev``'s ``jpack/`` imported as `BASE_PACKAGE`, and its commit."""
   root = h.BENCHMARKS_DIR.parent
   git = lambda *args: subprocess.run(["git", "-C", str(root), *args], capture_output=True)
   commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")
@@ -79,8 +68,8 @@ def extract_baseline(rev: str, folder: pathlib.Path) -> tuple[types.ModuleType, 
 
 def step_side(module: types.ModuleType, key: str, model: Any, mesh, batch: Any
               ) -> tuple[h.Compiled, Callable[[int], Any]]:
-  """``module.data_parallel(mode=key)``, or for `CHAIN` the plain step with
-  ``module``'s allreduce, compiled and warmed up; and a function running ``n`` steps."""
+  """``module.data_parallel(mode=key)`` (or the `CHAIN` step) compiled and warmed up,
+  and a function running ``n`` steps."""
   adam = optax.adam(st.LEARNING_RATE)
   if key == CHAIN:
     dp = _reference.per_leaf_step(

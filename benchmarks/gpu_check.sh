@@ -1,24 +1,17 @@
 #!/usr/bin/env bash
-# jpack on one GPU, in under five minutes: the machine, a GPU smoke test, the optimizer,
-# step and pack benchmarks, the fast unit tests (on the CPU: tests/conftest.py forces
-# it), and one table of the goals read back from the benchmarks' JSON.
+# jpack on one GPU in under five minutes: the machine, a GPU smoke test, the optimizer,
+# step and pack benchmarks, the fast unit tests (on the CPU), and a table of the goals
+# read back from the JSON. Needs python3 with jax (CUDA), optax and pytest (torch adds a
+# column); installs nothing. Writes 13 files under $OUT (else a temp dir).
 #
-# Needs a python3 with jax (CUDA), optax and pytest; torch adds the PyTorch column.
-# Installs and downloads nothing: runs from the repository root with PYTHONPATH=.
-#
-#   bash benchmarks/gpu_check.sh                       # outputs under $OUT, else a temp dir
+#   bash benchmarks/gpu_check.sh
 #   GPU_CHECK_STEPS="optimizer summary" bash benchmarks/gpu_check.sh    # some steps only
 #   GPU_CHECK_QUICK=1 bash benchmarks/gpu_check.sh     # tiny sizes: a smoke run on a CPU
 #
-# It writes 13 files. Where only a few files come back from the machine, archive them:
-#
-#   O=$OUT; OUT=/tmp/gc bash benchmarks/gpu_check.sh; tar czf "$O/gpu_check.tgz" -C /tmp/gc .
-#
-# Steps, most informative first (a step that would start too late is skipped): env,
-# smoke, optimizer, step, pack, tests, summary. Each has its own time limit, all of them
-# together GPU_CHECK_BUDGET_S (default 285 s). A failed step is reported and the others
-# still run; the exit status is the number of steps that failed or were skipped.
-# GPU_CHECK_WORKLOADS overrides the optimizer's workloads, PYTHON the interpreter.
+# Steps (env smoke optimizer step pack tests summary) each have a time limit, together
+# GPU_CHECK_BUDGET_S (default 285 s); one that would start too late is skipped. Exit
+# status: the number of steps failed or skipped. GPU_CHECK_WORKLOADS overrides the
+# optimizer's workloads, PYTHON the interpreter.
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -47,18 +40,15 @@ else
 fi
 STEP_ARGS+=(--variants per_leaf,allreduce,packed,sharded,grad_only)
 
-# run_step NAME LIMIT_S COMMAND...: COMMAND within LIMIT_S (and what is left of the
-# budget), its output shown and kept in $OUT/NAME.log; a failure is recorded, not fatal.
+# run_step NAME LIMIT_S COMMAND...: COMMAND within LIMIT_S and the budget, logged to
+# $OUT/NAME.log; a failure is recorded, not fatal.
 run_step() {
   local name=$1 limit=$2
   shift 2
   [[ $STEPS == *" $name "* ]] || return 0
   local left=$((DEADLINE - SECONDS))
-  if [[ $name == summary ]]; then
-    ((left < 10)) && left=10  # the table of what did run is always printed
-  else
-    left=$((left - RESERVE))
-  fi
+  [[ $name == summary ]] && ((left < 10)) && left=10  # the table is always printed
+  [[ $name == summary ]] || left=$((left - RESERVE))
   if ((left < 10)); then
     echo -e "\n=== $name: skipped, the time budget is spent"
     FAILED+=("$name (skipped: out of time)")
@@ -69,25 +59,20 @@ run_step() {
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
-  if ((rc == 124 || rc == 137)); then
-    FAILED+=("$name (timed out after ${limit} s)")
-  elif ((rc != 0)); then
-    FAILED+=("$name (exit $rc)")
-  fi
+  ((rc == 124 || rc == 137)) && FAILED+=("$name (timed out after ${limit} s)")
+  ((rc != 0 && rc != 124 && rc != 137)) && FAILED+=("$name (exit $rc)")
   echo "=== $name: exit $rc after $((SECONDS - start)) s"
 }
 
 echo "jpack GPU check: outputs in $OUT"
 
 run_step env 30 "$PYTHON" - <<'EOF'
-import os, platform, shutil, subprocess
+import shutil, subprocess
+from benchmarks import harness
 smi = shutil.which("nvidia-smi")
 print(subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
       if smi else "nvidia-smi: not found")
-import jax, jaxlib, optax
-print(f"python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-      f"optax {optax.__version__}, {os.cpu_count()} CPUs")
-print("devices:", jax.devices())
+print("machine:", harness.machine())
 try:  # after JAX's backend: torch's CUDA libraries must not be loaded first
   import torch
   print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
@@ -95,18 +80,16 @@ except ImportError:
   print("torch: not installed")
 EOF
 
-# Values checked against numpy, on the GPU: pack / unpack, the collectives under
-# shard_map, and a few data_parallel steps in every mode against per-leaf optax.
+# On the GPU, against numpy: pack / unpack, the collectives, data_parallel in every mode.
 run_step smoke 60 "$PYTHON" - <<'EOF'
 import os
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import PartitionSpec as P
 import jpack
 from benchmarks import harness as c
+from jpack._reference import per_leaf_step
 
-# f32 matmuls in full precision (not TF32): the steps below are compared at 1e-5.
-jax.config.update("jax_default_matmul_precision", "highest")
-
+jax.config.update("jax_default_matmul_precision", "highest")  # not TF32: compared at 1e-5
 platform = jax.devices()[0].platform
 print("platform:", platform, jax.devices()[0].device_kind)
 assert platform == "gpu" or os.environ.get("GPU_CHECK_QUICK"), f"no GPU: {jax.devices()}"
@@ -144,25 +127,20 @@ print("pmean / psum / packed pmean / bf16-wire pmean on a 1-device mesh: match n
 
 params = {"w": rng.normal(size=(32, 16)).astype(np.float32),
           "b": np.zeros(16, np.float32), "v": rng.normal(size=(16,)).astype(jnp.bfloat16)}
-batch = rng.normal(size=(8, 32)).astype(np.float32)
+batch = jax.device_put(rng.normal(size=(8, 32)).astype(np.float32),
+                       jax.NamedSharding(mesh, P("batch")))
 def loss(p, x):
   h = jnp.tanh(x * p["w"][:, 0] @ p["w"] + p["b"]) * p["v"].astype(jnp.float32)
   return jnp.mean(h ** 2)
 tx = optax.adam(1e-2)
-ref, opt_state = jax.device_put(params), tx.init(jax.device_put(params))
-@jax.jit
-def ref_step(p, s, x):
-  g = jax.grad(loss)(p, x)
-  u, s = tx.update(g, s, p)
-  return optax.apply_updates(p, u), s
-for _ in range(3):
-  ref, opt_state = ref_step(ref, opt_state, batch)
-for mode in ("allreduce", "packed", "sharded"):
-  dp = jpack.data_parallel(loss, tx, params, mesh, mode=mode)
+def three_steps(dp):
   state = dp.init(params)
   for _ in range(3):
     state, metrics = dp.step(state, batch)
-  got = dp.unpack(state)
+  return dp.unpack(state)
+ref = three_steps(per_leaf_step(loss, tx, params, mesh))
+for mode in ("allreduce", "packed", "sharded"):
+  got = three_steps(jpack.data_parallel(loss, tx, params, mesh, mode=mode))
   for k in params:
     tol = 2e-2 if k == "v" else 1e-5
     np.testing.assert_allclose(np.asarray(got[k], np.float64), np.asarray(ref[k], np.float64),
@@ -173,16 +151,13 @@ EOF
 
 run_step optimizer 120 "$PYTHON" -m benchmarks optimizer --workloads "$OPT_WORKLOADS" \
   "${OPT_ARGS[@]}" --json "$OUT/optimizer.json" --markdown "$OUT/optimizer.md"
-
-# On the one GPU: the step benchmark would otherwise ask for 8 simulated CPU devices.
 run_step step 60 "$PYTHON" -m benchmarks step --devices 1 "${STEP_ARGS[@]}" \
   --json "$OUT/step.json" --markdown "$OUT/step.md"
 
 run_step pack 45 "$PYTHON" -m benchmarks pack --quick \
   --workloads resnet50,gpt2_small,many_small_4000 --json "$OUT/pack.json" --markdown "$OUT/pack.md"
 
-# On the CPU (tests/conftest.py sets jax_platforms=cpu), with this machine's jax; the
-# GPU lowering tests first. The slowest tests sweep XLA:CPU workarounds: left out.
+# On the CPU (tests/conftest.py), with this machine's jax; the slowest tests left out.
 run_step tests 60 env HYPOTHESIS_PROFILE=dev "$PYTHON" -m pytest -p no:cacheprovider -x -q \
   tests/test_gpu_path.py tests/test_pack.py tests/test_layout.py \
   -k "not sharing_kernels and not every_float4 and not every_bit_pattern and not backward_of_unpack"
@@ -201,11 +176,9 @@ def add(goal, what, value, limit, ok):
 def load(name):
   path = out / f"{name}.json"
   if not path.exists():
-    print(f"{path.name}: missing (the step failed or did not run)")
-    return None
+    return print(f"{path.name}: missing (the step failed or did not run)")
   doc = json.loads(path.read_text())
-  m = doc["machine"]
-  print(f"{path.name}: {m['device_count']} {m['platform']} device(s) ({m['device_kind']})")
+  print(f"{path.name}: {doc['machine']['device_count']} {doc['machine']['platform']} device(s)")
   return doc
 
 step = load("step")
@@ -232,12 +205,6 @@ for row in rows:
   print("| " + " | ".join(row) + " |")
 EOF
 
-echo
-if ((${#FAILED[@]})); then
-  echo "jpack GPU check: ${#FAILED[@]} step(s) failed or skipped:"
-  printf '  %s\n' "${FAILED[@]}"
-else
-  echo "jpack GPU check: every step passed"
-fi
-echo "outputs: $OUT"
+echo -e "\njpack GPU check: ${#FAILED[@]} step(s) failed or skipped; outputs: $OUT"
+((${#FAILED[@]})) && printf '  %s\n' "${FAILED[@]}"
 exit "${#FAILED[@]}"

@@ -1,20 +1,11 @@
-"""Data-parallel steps compiled for 8 H100s on any machine: jpack against XLA's own.
-
-No GPU is needed: JAX's CUDA plugin compiles for a GPU described by a target config
-(`benchmarks/targets/h100_sxm.txtpb`) over a simulated topology of 8 of them, and this
-reads the scheduled program (``jpack._reference.analyze_program``): kernels launched, an
-estimate of HBM traffic (each kernel reads its operands and writes its result once),
-bytes of copy-only kernels, the collectives (count, dtype, bytes, overlapped with
-compute) and ``compiled.memory_analysis()``'s temp and argument bytes per device. Nothing
-runs. Every variant (`VARIANTS`) runs adamw on the same real model at its real size with
-8-way data parallelism. "removed" is the share of per-leaf's kernels (and HBM bytes)
-above the floor that a variant does not have: 100 % is the floor, 0 % per-leaf. Needs
-the CUDA plugin (``pip install -e '.[gpu-compile]'``, about 180 MB, no NVIDIA libraries).
+"""Data-parallel steps (adamw, real model sizes) compiled for 8 H100s on any machine,
+nothing run: JAX's CUDA plugin (``pip install -e '.[gpu-compile]'``) compiles for
+`TARGET`, and ``jpack._reference.analyze_program`` reads the scheduled program. The
+columns: docs/gpu.md.
 """
 
-from __future__ import annotations
-
 import dataclasses
+import functools
 import importlib
 import pathlib
 from typing import Any
@@ -31,10 +22,10 @@ from benchmarks import models
 from benchmarks import step as step_bench
 from benchmarks.step import Variant
 from jpack import _reference
+from benchmarks.render import GPU_COLUMNS
 from jpack._reference import CollectiveOp, Program, analyze_program
 
 TITLE = "Data-parallel steps compiled for 8 H100s (not run)"
-DEVICES = None
 MERGE_KEY = "workload"
 AXIS = h.AXIS
 NUM_GPUS = 8
@@ -47,19 +38,16 @@ QUICK = dict(models=["gpt2_small"], variants=["floor", "per_leaf", "allreduce", 
                                               "sharded"])
 
 
-def _v(label: str, **kw: Any) -> Variant:
-  return Variant(label, optimizer=kw.pop("optimizer", "adamw"), **kw)
+_v = functools.partial(Variant, optimizer="adamw")
 
 
 BF16 = jnp.bfloat16
 VARIANTS = {
     "floor": _v("floor: grads + SGD, no reduction", kind="floor"),
     "per_leaf": _v("per-leaf pmean", kind="per_leaf"),
-    # XLA's all-reduce-contiguous pass off: its merged all-reduces reduce the leaves in
-    # place instead of concatenating them into a buffer and slicing the result back out.
+    # XLA's all-reduce-contiguous pass off: merged all-reduces without the concatenate.
     "per_leaf_no_concat": _v("per-leaf pmean, all-reduce-contiguous off", kind="per_leaf"),
     "hand_pmean": _v("hand-written jpack.pmean step", kind="hand_pmean"),
-    # jpack.step_options: its plan options to jpack.plan, its compiler options to the jit.
     "hand_pmean_options": _v("hand-written jpack.pmean step, jpack.step_options",
                              kind="hand_pmean_options"),
     "jit": _v("jit + NamedSharding", kind="jit"),
@@ -82,13 +70,11 @@ VARIANTS = {
     "fsdp_keep": _v("jpack fsdp, keep_gathered", mode="fsdp", keep_gathered=True),
     "fsdp_bf16_params": _v("jpack fsdp, bf16 params", mode="fsdp", param_dtype=BF16),
 }
-# Shares of per-leaf's overhead compare steps of the same params, rows and optimizer
-# only: not accumulation (four passes), bf16 params (half the bytes), lamb or adafactor.
+# Not compared with per-leaf's overhead: other passes, bytes or optimizer.
 UNCOMPARED = tuple(k for k, v in VARIANTS.items()
                    if v.accumulate > 1 or v.param_dtype or v.optimizer != "adamw")
 
-# The GPU flags of MaxText's FSDP recipes (latency-hiding scheduler, pipelined all-gather
-# and reduce-scatter, their combine thresholds), for the strongest jit FSDP baseline.
+# The GPU flags of MaxText's FSDP recipes, for the strongest jit FSDP baseline.
 MAXTEXT_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                  "xla_gpu_enable_pipelined_all_gather": True,
                  "xla_gpu_enable_pipelined_reduce_scatter": True,
@@ -96,10 +82,8 @@ MAXTEXT_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                  "xla_gpu_all_gather_combine_threshold_bytes": 1073741824,
                  "xla_gpu_reduce_scatter_combine_threshold_bytes": 1073741824,
                  "xla_gpu_all_reduce_combine_threshold_bytes": 1073741824}
-# Rows per device where a workload's own differ from ROWS_PER_DEVICE.
-ROWS = {"gpt_1p3b": 1, "gpt_1p3b_12": 1}
-# The baselines compiled with options of their own, per mesh (the jpack steps carry
-# theirs).
+ROWS = {"gpt_1p3b": 1, "gpt_1p3b_12": 1}  # rows per device, where not ROWS_PER_DEVICE
+# The baselines compiled with options of their own (the jpack steps carry theirs).
 COMPILER_OPTIONS = {
     "per_leaf_no_concat": lambda mesh: {"xla_disable_hlo_passes": "all-reduce-contiguous"},
     "hand_pmean_options": lambda mesh: jpack.step_options(mesh)[1],
@@ -142,7 +126,7 @@ def _floor(model: models.Model, mesh) -> Any:
 
 
 def build(key: str, model: models.Model, mesh) -> step_bench.Built:
-  """Variant ``key``'s step (`step_bench.build`, and the two steps only this has)."""
+  """Variant ``key``'s step (`step_bench.build`, or one of the two only this has)."""
   v = VARIANTS[key]
   if v.kind == "floor":
     return step_bench.Built(_floor(model, mesh))
@@ -174,9 +158,7 @@ def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DE
   split = None if built.jit_mesh else NamedSharding(mesh, P(AXIS))
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split),
                        model.batch_like(rows * mesh.shape[AXIS]))
-  # jpack's steps lower with their own jit (and its compiler options); the others'
-  # jit is wrapped around them here.
-  step = built.dp.step
+  step = built.dp.step  # jpack's steps carry their jit (and compiler options)
   lower = getattr(step, "lower", None) or jax.jit(step, donate_argnums=0).lower
   lowered, lower_s = h.timed(lambda: lower(state, batch))
   compiled, compile_s = h.timed(lambda: lowered.compile(
@@ -217,8 +199,7 @@ def goals(results: dict[str, Result], grad_bytes: int) -> dict[str, dict[str, bo
 
 def user_model(spec: str) -> models.Model:
   """``--model MODULE:FUNCTION``: ``FUNCTION()`` returns ``(params, loss_fn, batch)``,
-  the params (arrays or `jax.ShapeDtypeStruct`s), ``loss_fn(params, batch)`` on one
-  device's batch, and one device's batch (arrays or ShapeDtypeStructs, rows first)."""
+  arrays or ShapeDtypeStructs, ``batch`` one device's (rows first)."""
   module, _, function = spec.partition(":")
   if not function:
     raise SystemExit(f"--model takes MODULE:FUNCTION, got {spec!r}")
@@ -251,15 +232,12 @@ def run_workload(name: str, variants: list[str], report: h.Report,
     except Exception as e:  # noqa: BLE001 (one variant's failure must not lose the rest)
       print(f"  {name}: {key} failed: {type(e).__name__}: {e}", flush=True)
       report.text(f"{name}: {key} failed to compile: {type(e).__name__}: {e}")
-  table = h.Table(["variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
-                   "overlapped", "temp MiB", "args MiB", "removed: kernels / HBM",
-                   "lower + compile s"],
-                  title=f"{name}: {model.describe}, {model.num_leaves} leaves, "
+  table = h.Table(GPU_COLUMNS, title=f"{name}: {model.describe}, {model.num_leaves} leaves, "
                         f"{model.num_params / 1e6:.1f} M params; compiled for 8 H100s, not run")
   for key, r in results.items():
     p = r.program
     kr, hr, share = shares(key, r, results)
-    table.add(VARIANTS[key], p.kernels, f"{p.hbm_bytes / 2**20:,.0f}",
+    table.add(VARIANTS[key].label, p.kernels, f"{p.hbm_bytes / 2**20:,.0f}",
               f"{p.copy_bytes / 2**20:,.0f}", p.collective_summary(),
               f"{p.overlapped}/{len(p.collectives)}", f"{r.temp_bytes / 2**20:,.0f}",
               f"{r.arg_bytes / 2**20:,.0f}", share, f"{r.lower_s + r.compile_s:.1f}",
@@ -278,10 +256,8 @@ def run_workload(name: str, variants: list[str], report: h.Report,
 
 def shares(key: str, r: Result, results: dict[str, Result]
            ) -> tuple[float | None, float | None, str]:
-  """``(kernels removed, HBM removed, cell)`` of variant ``key`` against the floor and
-  per-leaf rows of ``results``; None and "-" where they are missing or not comparable
-  (an accumulating step runs the forward and backward passes 4 times on a quarter of
-  the rows: more kernels and weight reads than one step)."""
+  """``(kernels removed, HBM removed, cell)`` of ``key`` between per-leaf and the floor;
+  None and "-" where either is missing or ``key`` is not comparable."""
   floor, base = results.get("floor"), results.get("per_leaf")
   if not (floor and base) or key in ("floor", "per_leaf") or key in UNCOMPARED:
     return None, None, "-"
@@ -291,12 +267,11 @@ def shares(key: str, r: Result, results: dict[str, Result]
 
 
 def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> h.Table:
-  """Workload ``name``'s goals per mode (`goals`), met or not; no rows without a floor
-  and a per-leaf step to measure against."""
+  """Workload ``name``'s goals per mode (`goals`), met or not."""
   g = h.Table(["mode", "goal", "result"], title=f"{name}: goals")
   for mode, checks in goals(results, grad_bytes).items():
     for goal, ok in checks.items():
-      g.add(VARIANTS[mode], goal, h.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
+      g.add(VARIANTS[mode].label, goal, h.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
   return g
 
 
@@ -309,9 +284,8 @@ def _result(v: dict[str, Any]) -> Result:
 
 
 def finish(doc: dict[str, Any]) -> dict[str, Any]:
-  """``doc`` with every row's removed shares and every workload's goals computed again
-  from the rows it holds, whichever run compiled them: after ``--update`` merges runs,
-  they compare with the floor and per-leaf rows now in the JSON."""
+  """``doc`` with the removed shares and goals computed again from its rows (after
+  ``--update`` merged runs)."""
   tables = []
   for table in doc["tables"]:
     if "kernels" not in table["columns"]:

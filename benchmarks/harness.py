@@ -1,11 +1,5 @@
 """What every benchmark shares: workloads and inputs, the one way to time, tables and the
-results file, and the adapters to jpack's parameters that are about to change.
-
-Nothing here starts JAX's backend at import time: `benchmarks.__main__` still sets the
-number of CPU devices after importing it.
-"""
-
-from __future__ import annotations
+results file. Starts no JAX backend at import (`__main__` sets the CPU devices after)."""
 
 import ctypes
 import dataclasses
@@ -16,7 +10,6 @@ import math
 import os
 import pathlib
 import platform
-import re
 import shlex
 import statistics
 import time
@@ -26,29 +19,13 @@ import jax
 import numpy as np
 
 import jpack
+from benchmarks.render import _NUMERIC, markdown_table
 from jpack._reference import Collectives, count_collectives, human_bytes  # noqa: F401
-from jpack._collectives import reduce  # what jpack.pmean runs, with the platform's choice named
-from jpack._pack import unpack_shared as _unpack_shared  # how collectives return trees
 
 BENCHMARKS_DIR = pathlib.Path(__file__).resolve().parent
 WORKLOADS_DIR = BENCHMARKS_DIR / "workloads"
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 AXIS = "batch"
-
-# -- adapters: every call that passes jpack's method= or share_kernels= ----------------
-
-
-def reduce_with_method(tree: Any, axis: str, layout: jpack.Layout, method: str) -> Any:
-  """``jpack.pmean`` of ``tree`` by ``method`` ("psum", "scatter_gather", "auto")."""
-  return reduce(tree, axis, mean=True, layout=layout, method=method)
-
-
-def unpack_shared(packed: jpack.Packed) -> Any:
-  """``jpack.unpack`` with slices of equal size sharing one kernel."""
-  return _unpack_shared(packed)
-
-
-# -- workloads and inputs ---------------------------------------------------------------
 
 
 def workload_names() -> list[str]:
@@ -69,21 +46,11 @@ class Workload:
   full_leaves: int
   full_elements: int
 
-  @property
-  def num_leaves(self) -> int:
-    return len(self.shapes)
-
-  @property
-  def num_elements(self) -> int:
-    return sum(math.prod(s.shape) for s in self.shapes.values())
-
-  @property
-  def nbytes(self) -> int:
-    return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.shapes.values())
-
-  @property
-  def subset(self) -> bool:
-    return self.num_leaves != self.full_leaves
+  num_leaves = property(lambda self: len(self.shapes))
+  num_elements = property(lambda self: sum(math.prod(s.shape) for s in self.shapes.values()))
+  nbytes = property(lambda self: sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                                     for s in self.shapes.values()))
+  subset = property(lambda self: self.num_leaves != self.full_leaves)
 
   def describe(self) -> str:
     dtypes = "+".join(sorted({np.dtype(s.dtype).name for s in self.shapes.values()}))
@@ -94,8 +61,7 @@ class Workload:
 
 def load_workload(name: str, *, max_leaves: int | None = None,
                   max_elements: int | None = None) -> Workload:
-  """Workload ``name``; with budgets, the leaves in file order that still fit both (a
-  leaf too large for what is left is skipped, later smaller ones may still fit)."""
+  """Workload ``name``; with budgets, the leaves in file order that still fit both."""
   import jax.numpy as jnp  # bfloat16 & co. come from ml_dtypes through jnp
 
   if name.startswith("small_"):
@@ -134,8 +100,7 @@ def random_numpy(shape: Sequence[int], dtype: Any, rng: np.random.Generator) -> 
 
 def random_tree(shapes: dict[str, jax.ShapeDtypeStruct], *, seed: int = 0,
                 lead: int | None = None, sharding: Any = None) -> dict[str, jax.Array]:
-  """Random device arrays for ``shapes``, with a leading axis of ``lead`` (one slice
-  per device) and placed by ``sharding`` (default: device 0)."""
+  """Random arrays for ``shapes`` (with a leading axis ``lead``), placed by ``sharding``."""
   rng = np.random.default_rng(seed)
   return jax.block_until_ready({
       path: place(random_numpy(s.shape if lead is None else (lead, *s.shape), s.dtype, rng),
@@ -146,19 +111,16 @@ def place(x: Any, sharding: Any = None) -> jax.Array:
   return jax.device_put(x, jax.devices()[0] if sharding is None else sharding)
 
 
-def mesh(n: int, axis_types: Any = None) -> jax.sharding.Mesh:
-  """A 1-D mesh of the first ``n`` devices over `AXIS`."""
-  kind = axis_types or jax.sharding.AxisType.Explicit
-  return jax.make_mesh((n,), (AXIS,), axis_types=(kind,), devices=jax.devices()[:n])
+def mesh(n: int) -> jax.sharding.Mesh:
+  """A 1-D mesh of the first ``n`` devices over `AXIS`, its axis Explicit."""
+  return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:n])
 
 
 def bytes_per_device(tree: Any) -> int:
   """Bytes that device 0 holds for ``tree`` (a replicated leaf counts fully)."""
-  total = 0
-  for x in jax.tree.leaves(tree):
-    shards = getattr(x, "addressable_shards", None)
-    total += shards[0].data.nbytes if shards else np.asarray(x).nbytes
-  return total
+  return sum(x.addressable_shards[0].data.nbytes if hasattr(x, "addressable_shards")
+             else np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
 def max_diff(a: Any, b: Any) -> float:
@@ -168,31 +130,21 @@ def max_diff(a: Any, b: Any) -> float:
              default=0.0)
 
 
-# -- the one way to time ----------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class Compiled:
-  """An AOT-compiled function and how long lowering (tracing included) and compiling
-  took. Call ``fn``: calling the jitted function would compile again."""
+  """An AOT-compiled function (call ``fn``), and its lowering and compile times."""
   fn: Any
   lower_s: float
   compile_s: float
-
-  @property
-  def total_s(self) -> float:
-    return self.lower_s + self.compile_s
-
-  def text(self) -> str:
-    return self.fn.as_text()
+  total_s = property(lambda self: self.lower_s + self.compile_s)
+  text = lambda self: self.fn.as_text()
 
 
-def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None,
-               compiler_options: dict | None = None) -> Compiled:
+def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None) -> Compiled:
   """``jax.jit(f).lower(*args).compile()``, timed (``f`` may be jitted already)."""
   jitted = f if hasattr(f, "lower") else jax.jit(f, **(jit_kwargs or {}))
   lowered, lower_s = timed(lambda: jitted.lower(*args))
-  compiled, compile_s = timed(lambda: lowered.compile(compiler_options))
+  compiled, compile_s = timed(lowered.compile)
   return Compiled(compiled, lower_s, compile_s)
 
 
@@ -204,8 +156,7 @@ class Timing:
   samples: tuple[float, ...] = ()  # every timed call, in order of the rounds
 
   def over(self, other: "Timing") -> float:
-    """The median over rounds of this time / ``other``'s in the same round, for two
-    timings from one `time_rounds` call: drifts of the host that last a round cancel."""
+    """The median over rounds of this time / ``other``'s in the same round."""
     if not self.samples or len(self.samples) != len(other.samples):
       raise ValueError("paired ratios need two timings from the same interleaved rounds")
     return statistics.median(x / y for x, y in zip(self.samples, other.samples))
@@ -220,20 +171,11 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def time_rounds(calls: dict[str, Callable[[], Any]], rounds: int = 5, warmup: int = 1,
                 after: Callable[[str], Any] | None = None) -> dict[str, Timing]:
-  """The wall time of every call in ``calls``, timed in interleaved rounds of one call
-  each, after ``warmup`` untimed rounds.
-
-  Calls timed one after the other see different host states (allocator and page state
-  move the time of one large CPU collective from run to run, and any ratio with it); in
-  rounds, every call meets the same drifts, so their ratios hold. Each round starts one
-  call later: a call slowed by the one before it is not always slowed by the same one.
-  Outputs are dropped before the next call; ``after(key)`` runs after each timed call,
-  outside its time.
-  """
+  """Every call's wall time in interleaved rounds (each starting one call later), after
+  ``warmup`` untimed rounds; ``after(key)`` runs after each timed call, untimed."""
   keys = list(calls)
-  for _ in range(warmup):
-    for key in keys:
-      timed(calls[key])
+  for key in keys * warmup:
+    timed(calls[key])
   times: dict[str, list[float]] = {key: [] for key in keys}
   for r in range(max(1, rounds)):
     for key in keys[r % len(keys):] + keys[:r % len(keys)]:
@@ -243,14 +185,8 @@ def time_rounds(calls: dict[str, Callable[[], Any]], rounds: int = 5, warmup: in
   return {k: Timing(statistics.median(t), min(t), len(t), tuple(t)) for k, t in times.items()}
 
 
-# -- tables and the results file --------------------------------------------------------
-
-_NUM_RE = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?\s*(x|×|%|ms|s|MB|MiB|KiB|GB)?$")
-
-
 class Table:
-  """Rows of formatted cells, with the unrounded numbers behind them (``values``, which
-  only the JSON results carry): aligned text for the terminal, Markdown, or JSON."""
+  """Rows of formatted cells, with the numbers behind them (``values``, in the JSON)."""
 
   def __init__(self, columns: Sequence[str], title: str = ""):
     self.columns, self.title = list(columns), title
@@ -268,31 +204,23 @@ class Table:
             "rows": [{"cells": dict(zip(self.columns, cells)), "values": values}
                      for cells, values in zip(self.rows, self.values)]}
 
-  def _right(self) -> list[bool]:
-    """Right-align the columns whose cells all look numeric."""
-    cells = [[r[i] for r in self.rows if r[i] not in ("", "-")] for i in range(len(self.columns))]
-    return [bool(c) and all(_NUM_RE.match(x.strip()) for x in c) for c in cells]
-
   def text(self) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in self.rows]) for i, h in enumerate(self.columns)]
-    right = self._right()
+    cells = [[r[i] for r in self.rows if r[i] not in ("", "-")] for i in range(len(widths))]
+    right = [bool(c) and all(_NUMERIC.match(x.strip()) for x in c) for c in cells]
     line = lambda cells: "  ".join(c.rjust(w) if r else c.ljust(w)
                                    for c, w, r in zip(cells, widths, right)).rstrip()
     return "\n".join(([self.title] if self.title else []) + [
         line(self.columns), line(["-" * w for w in widths]), *map(line, self.rows)])
 
   def markdown(self) -> str:
-    esc = lambda c: c.replace("|", "\\|")
-    return "\n".join(([f"**{self.title}**", ""] if self.title else []) + [
-        "| " + " | ".join(map(esc, self.columns)) + " |",
-        "|" + "|".join("---:" if r else "---" for r in self._right()) + "|",
-        *("| " + " | ".join(map(esc, r)) + " |" for r in self.rows)])
+    return (f"**{self.title}**\n\n" if self.title else "") + markdown_table(self.columns,
+                                                                           self.rows)
 
 
 class Report:
-  """The tables and notes of one run: printed as they come, written as Markdown and as
-  ``benchmarks/results/<name>.json`` with the machine and the command line (``argv``,
-  the benchmark's name first)."""
+  """The tables and notes of one run: printed as they come, written as Markdown and JSON
+  with the machine and the command line (``argv``, the benchmark's name first)."""
 
   def __init__(self, name: str, title: str, argv: Sequence[str]):
     self.name, self.title = name, title
@@ -337,10 +265,8 @@ class Report:
 
 def merged(earlier: dict[str, Any], now: dict[str, Any], name: str, row_order: list[str],
            table_order: list[str]) -> dict[str, Any]:
-  """``now``'s JSON with ``earlier``'s results kept where ``now`` has none: the tables
-  of the models (``values[name]`` of their rows) it did not run, and in those it did,
-  the rows of the variants (``values["key"]``) it did not run. Rows follow
-  ``row_order`` and tables ``table_order``; both runs' commands are listed."""
+  """``now``'s JSON with ``earlier``'s tables (by ``values[name]``) and rows (by
+  ``values["key"]``) that it did not run; ordered by ``row_order`` and ``table_order``."""
   table_name = lambda t: t["rows"][0]["values"].get(name) if t["rows"] else None
   row_key = lambda r: (r["values"].get("key"), r["values"].get("goal"))
   order = {key: i for i, key in enumerate(row_order)}
@@ -361,8 +287,7 @@ def merged(earlier: dict[str, Any], now: dict[str, Any], name: str, row_order: l
 
 
 def finite(x: Any) -> Any:
-  """``x`` with NaN and infinities as None (JSON has no such numbers) and numpy scalars
-  as Python numbers."""
+  """``x`` with NaN and infinities as None and numpy scalars as Python numbers."""
   if isinstance(x, dict):
     return {str(k): finite(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
@@ -372,20 +297,12 @@ def finite(x: Any) -> Any:
   return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-# -- formatting --------------------------------------------------------------------------
-
-
 def fmt_ms(seconds: float | None) -> str:
-  if seconds is None:
-    return "-"
-  ms = 1e3 * seconds
-  return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+  return "-" if seconds is None else f"{1e3 * seconds:{'.3g' if seconds < 0.1 else '.0f'}}"
 
 
 def fmt_s(seconds: float | None) -> str:
-  if seconds is None:
-    return "-"
-  return f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}"
+  return "-" if seconds is None else f"{seconds:{'.2f' if seconds < 10 else '.1f'}}"
 
 
 def fmt_ratio(x: float | None) -> str:
@@ -408,9 +325,6 @@ def collective_values(colls: Collectives) -> dict[str, Any]:
 
 def verdict(ok: bool | None) -> str:
   return "SKIP" if ok is None else ("PASS" if ok else "MISS")
-
-
-# -- the machine -------------------------------------------------------------------------
 
 
 def machine_info() -> dict[str, Any]:
@@ -439,9 +353,7 @@ def machine() -> str:
 
 
 def release_host_memory() -> None:
-  """Hand freed device buffers back to the OS between phases (glibc only): XLA:CPU
-  buffers are malloc'ed, and glibc keeps large freed ones in the process, so a run over
-  several big models could exhaust the host's memory. Called outside timed regions."""
+  """Hand freed (malloc'ed XLA:CPU) buffers back to the OS between phases (glibc only)."""
   gc.collect()
   try:
     ctypes.CDLL("libc.so.6").malloc_trim(0)

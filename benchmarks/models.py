@@ -1,24 +1,13 @@
-"""Real architectures for the benchmarks, in plain JAX, with the leaf structure of the
-shape tables in ``benchmarks/workloads`` (the key paths, leaf counts and dtypes of
-GPT-2 small, BERT-base, ResNet-50, a llama-like LM with bf16 weights, and 4000 tiny
-leaves).
-
-Each builder takes the architecture's sizes, so the same model runs at its real size
-(compiled for GPUs, `benchmarks.gpu_compile`) and scaled down to what 8 simulated CPU
-devices can time (`benchmarks.step`): depth and leaf count stay, widths shrink.
-``tests/test_models.py`` checks that the full-size params match the tables exactly.
-
-A model is a `Model`: numpy params (or shapes only), a ``loss(params, batch)`` over one
-device's batch, and a function that makes a global batch of ``n`` rows. A model with
-state that is not trained (the ResNet's BatchNorm running statistics, ``bn_state=True``)
-has it in ``state``, and its loss is ``loss(params, state, batch) -> (loss, new_state)``,
-as `jpack.data_parallel` calls it when the state is given to init:
-``dp.init(params, state)``.
+"""Real architectures in plain JAX with the leaf structure of the shape tables in
+``benchmarks/workloads``, at their real size (`benchmarks.gpu_compile`) or narrowed
+(`benchmarks.step`: depth and leaf count stay, widths shrink). A model with state (the
+ResNet's BatchNorm statistics) has ``loss(params, state, batch) -> (loss, new_state)``.
 """
 
-from __future__ import annotations
-
 import dataclasses
+import functools
+import math
+import operator
 from typing import Any, Callable
 
 import jax
@@ -36,17 +25,10 @@ class Model:
   batch_like: Callable[[int], Any] | None = None  # global batch size -> ShapeDtypeStructs
   state: Any = None  # model state (numpy tree); then loss(params, state, batch) -> (loss, state)
 
-  @property
-  def has_state(self) -> bool:
-    return self.state is not None
-
-  @property
-  def num_leaves(self) -> int:
-    return len(jax.tree.leaves(self.params))
-
-  @property
-  def num_params(self) -> int:
-    return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(self.params))
+  has_state = property(lambda self: self.state is not None)
+  num_leaves = property(lambda self: len(jax.tree.leaves(self.params)))
+  num_params = property(lambda self: sum(int(np.prod(np.shape(x)))
+                                         for x in jax.tree.leaves(self.params)))
 
 
 def _nest(flat: dict[str, Any]) -> dict:
@@ -54,10 +36,7 @@ def _nest(flat: dict[str, Any]) -> dict:
   out: dict = {}
   for path, x in flat.items():
     *parents, last = path.split("/")
-    d = out
-    for p in parents:
-      d = d.setdefault(p, {})
-    d[last] = x
+    functools.reduce(lambda d, p: d.setdefault(p, {}), parents, out)[last] = x
   return out
 
 
@@ -69,23 +48,28 @@ def _make(shapes: dict[str, tuple[tuple[int, ...], Any, str]], seed: int, abstra
     if abstract:
       flat[path] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
     elif init == "normal":
-      fan_in = shape[-2] if len(shape) >= 2 else shape[0]
-      if len(shape) == 4:  # conv kernel HWIO
-        fan_in = shape[0] * shape[1] * shape[2]
+      # conv kernels (HWIO): H * W * I; matrices: their rows
+      fan_in = math.prod(shape[:3]) if len(shape) == 4 else shape[max(0, len(shape) - 2)]
       flat[path] = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(dtype)
     else:
       flat[path] = (np.ones if init == "ones" else np.zeros)(shape, dtype)
   return _nest(flat)
 
 
-def _tokens(vocab: int, length: int, seed: int):
+def _data(like: Callable[[int], Any], seed: int, high: int = 0):
+  """``(batch, like)``: ``batch(n)`` draws ``like(n)``'s arrays in order, floats normal
+  and integers in [0, high)."""
   def batch(n):
-    return np.random.default_rng(seed).integers(0, vocab, (n, length), dtype=np.int32)
-
-  def like(n):
-    return jax.ShapeDtypeStruct((n, length), jnp.int32)
+    r = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: r.integers(0, high, s.shape, dtype=s.dtype)
+                        if jnp.issubdtype(s.dtype, jnp.integer)
+                        else r.standard_normal(s.shape).astype(s.dtype), like(n))
 
   return batch, like
+
+
+def _tokens(vocab: int, length: int, seed: int):
+  return _data(lambda n: jax.ShapeDtypeStruct((n, length), jnp.int32), seed, vocab)
 
 
 def _layer_norm(x, g, b, eps=1e-5):
@@ -115,21 +99,23 @@ def _cross_entropy(logits, targets):
                   - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])
 
 
+def _linear(p: str, a: int, b: int, w: str = "w", bias: str = "b") -> dict:
+  """A dense layer's f32 params under ``p``: ``w`` (a, b) normal, ``bias`` (b,) zeros."""
+  return {f"{p}/{w}": ((a, b), np.float32, "normal"), f"{p}/{bias}": ((b,), np.float32, "zeros")}
+
+
+def _norm(p: str, n: int, g: str = "g", b: str = "b") -> dict:
+  """A norm's f32 params under ``p``: scale ``g`` ones, shift ``b`` zeros."""
+  return {f"{p}/{g}": ((n,), np.float32, "ones"), f"{p}/{b}": ((n,), np.float32, "zeros")}
+
+
 def _pre_ln_shapes(p: str, width: int, names: tuple[str, str, str, str]) -> dict:
-  """A pre-LN transformer block's params (GPT-2's and ViT's), under prefix ``p``; its
-  four dense layers named ``names`` (attention in, attention out, MLP in, MLP out)."""
+  """A pre-LN block's params (GPT-2's and ViT's) under ``p``, its dense layers ``names``."""
   qkv, proj, fc_in, fc_out = names
-  f32 = np.float32
-  return {p + "ln_1/g": ((width,), f32, "ones"), p + "ln_1/b": ((width,), f32, "zeros"),
-          p + f"attn/{qkv}/w": ((width, 3 * width), f32, "normal"),
-          p + f"attn/{qkv}/b": ((3 * width,), f32, "zeros"),
-          p + f"attn/{proj}/w": ((width, width), f32, "normal"),
-          p + f"attn/{proj}/b": ((width,), f32, "zeros"),
-          p + "ln_2/g": ((width,), f32, "ones"), p + "ln_2/b": ((width,), f32, "zeros"),
-          p + f"mlp/{fc_in}/w": ((width, 4 * width), f32, "normal"),
-          p + f"mlp/{fc_in}/b": ((4 * width,), f32, "zeros"),
-          p + f"mlp/{fc_out}/w": ((4 * width, width), f32, "normal"),
-          p + f"mlp/{fc_out}/b": ((width,), f32, "zeros")}
+  return {**_norm(p + "ln_1", width), **_linear(p + f"attn/{qkv}", width, 3 * width),
+          **_linear(p + f"attn/{proj}", width, width), **_norm(p + "ln_2", width),
+          **_linear(p + f"mlp/{fc_in}", width, 4 * width),
+          **_linear(p + f"mlp/{fc_out}", 4 * width, width)}
 
 
 def _pre_ln_block(blk: dict, h: Any, names: tuple[str, str, str, str], heads: int,
@@ -148,9 +134,6 @@ GPT2_NAMES = ("c_attn", "c_proj", "c_fc", "c_proj")
 VIT_NAMES = ("qkv", "proj", "fc1", "fc2")
 
 
-# -- GPT-2 -----------------------------------------------------------------------------
-
-
 def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int = 1024,
          heads: int = 12, seq: int = 128, seed: int = 0, abstract: bool = False,
          name: str = "gpt2_small") -> Model:
@@ -159,7 +142,7 @@ def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int 
              "wpe": ((positions, width), np.float32, "normal")}
   for i in range(layers):
     s.update(_pre_ln_shapes(f"h{i}/", width, GPT2_NAMES))
-  s.update({"ln_f/g": ((width,), np.float32, "ones"), "ln_f/b": ((width,), np.float32, "zeros")})
+  s.update(_norm("ln_f", width))
 
   def loss(params, tokens):
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -174,9 +157,6 @@ def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int 
                batch, like)
 
 
-# -- BERT ------------------------------------------------------------------------------
-
-
 def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int = 512,
          heads: int = 12, seq: int = 128, seed: int = 0, abstract: bool = False,
          name: str = "bert_base") -> Model:
@@ -186,19 +166,14 @@ def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int 
   s: dict = {"emb/word": ((vocab, width), f32, "normal"),
              "emb/position": ((positions, width), f32, "normal"),
              "emb/token_type": ((2, width), f32, "normal"),
-             "emb/ln/g": ((width,), f32, "ones"), "emb/ln/b": ((width,), f32, "zeros")}
+             **_norm("emb/ln", width)}
   for i in range(layers):
     p = f"layer{i}/"
     for n in ("q", "k", "v", "attn_out"):
-      s[p + n + "/w"] = ((width, width), f32, "normal")
-      s[p + n + "/b"] = ((width,), f32, "zeros")
-    s.update({p + "ln1/g": ((width,), f32, "ones"), p + "ln1/b": ((width,), f32, "zeros"),
-              p + "ffn_in/w": ((width, 4 * width), f32, "normal"),
-              p + "ffn_in/b": ((4 * width,), f32, "zeros"),
-              p + "ffn_out/w": ((4 * width, width), f32, "normal"),
-              p + "ffn_out/b": ((width,), f32, "zeros"),
-              p + "ln2/g": ((width,), f32, "ones"), p + "ln2/b": ((width,), f32, "zeros")})
-  s.update({"pooler/w": ((width, width), f32, "normal"), "pooler/b": ((width,), f32, "zeros")})
+      s.update(_linear(p + n, width, width))
+    s.update({**_norm(p + "ln1", width), **_linear(p + "ffn_in", width, 4 * width),
+              **_linear(p + "ffn_out", 4 * width, width), **_norm(p + "ln2", width)})
+  s.update(_linear("pooler", width, width))
 
   def loss(params, tokens):
     x, y = tokens[:, :-1], tokens[:, 1:]  # predict a shifted copy: a stand-in for masking
@@ -218,9 +193,6 @@ def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int 
   batch, like = _tokens(vocab, seq + 1, seed + 1)
   return Model(name, f"BERT encoder {layers}x{width}", _make(s, seed, abstract), loss,
                batch, like)
-
-
-# -- llama-like, bf16 weights ----------------------------------------------------------
 
 
 def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32000,
@@ -259,15 +231,11 @@ def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32
                _make(s, seed, abstract), loss, batch, like)
 
 
-# -- ViT -------------------------------------------------------------------------------
-
-
 def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
         classes: int = 1000, heads: int = 12, seed: int = 0, abstract: bool = False,
         name: str = "vit_b16") -> Model:
-  """A ViT encoder (ViT-B/16 at the defaults, 152 leaves): a strided-conv patch
-  embedding, a class token, learned positions, pre-LN blocks as GPT-2's without the
-  causal mask, a final LayerNorm and a classification head on the class token."""
+  """A ViT encoder (ViT-B/16 at the defaults): conv patch embedding, class token,
+  learned positions, GPT-2's blocks without the causal mask, a head on the class token."""
   f32 = np.float32
   tokens = (image // patch) ** 2 + 1
   s: dict = {"patch_embed/kernel": ((patch, patch, 3, width), f32, "normal"),
@@ -276,8 +244,7 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
              "pos_embed": ((tokens, width), f32, "normal")}
   for i in range(layers):
     s.update(_pre_ln_shapes(f"block{i}/", width, VIT_NAMES))
-  s.update({"ln_f/g": ((width,), f32, "ones"), "ln_f/b": ((width,), f32, "zeros"),
-            "head/w": ((width, classes), f32, "normal"), "head/b": ((classes,), f32, "zeros")})
+  s.update({**_norm("ln_f", width), **_linear("head", width, classes)})
 
   def loss(params, batch):
     images, labels = batch
@@ -297,19 +264,8 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
 
 
 def _images(image: int, classes: int, seed: int):
-  def batch(n):
-    r = np.random.default_rng(seed)
-    return (r.standard_normal((n, image, image, 3)).astype(np.float32),
-            r.integers(0, classes, (n,), dtype=np.int32))
-
-  def like(n):
-    return (jax.ShapeDtypeStruct((n, image, image, 3), jnp.float32),
-            jax.ShapeDtypeStruct((n,), jnp.int32))
-
-  return batch, like
-
-
-# -- ResNet ----------------------------------------------------------------------------
+  return _data(lambda n: (jax.ShapeDtypeStruct((n, image, image, 3), jnp.float32),
+                          jax.ShapeDtypeStruct((n,), jnp.int32)), seed, classes)
 
 
 RESNET50_BLOCKS = (3, 4, 6, 3)
@@ -320,21 +276,14 @@ BN_MOMENTUM = 0.9  # running statistics: momentum * old + (1 - momentum) * batch
 def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: int = 1000,
            image: int = 64, block: str = "bottleneck", bn_state: bool = False,
            seed: int = 0, abstract: bool = False, name: str = "resnet50") -> Model:
-  """A ResNet with BatchNorm over each device's batch (training mode): bottleneck blocks
-  (ResNet-50 at the defaults) or, with ``block="basic"``, two 3x3 convolutions per block
-  (ResNet-18 with ``blocks=RESNET18_BLOCKS``). A block projects its input where the
-  width or the stride changes. The stem has no max-pool.
-
-  With ``bn_state``, every BatchNorm keeps running statistics (``mean``, ``var``, at the
-  BatchNorm's key path) in the model's ``state``, updated by each step as Flax's
-  ``batch_stats`` are: the loss is ``loss(params, state, batch) -> (loss, new_state)``.
-  Without it there is no state (the shape tables hold none).
-  """
+  """A ResNet, BatchNorm over each device's batch: bottleneck blocks (ResNet-50 at the
+  defaults) or ``block="basic"`` ones (ResNet-18 with `RESNET18_BLOCKS`); no max-pool.
+  With ``bn_state``, running statistics (``mean``, ``var``) are the model's ``state``."""
   if block not in ("bottleneck", "basic"):
     raise ValueError(f"block must be 'bottleneck' or 'basic', got {block!r}")
   f32 = np.float32
   s: dict = {"stem/conv/kernel": ((7, 7, 3, width), f32, "normal"),
-             "stem/bn/scale": ((width,), f32, "ones"), "stem/bn/bias": ((width,), f32, "zeros")}
+             **_norm("stem/bn", width, "scale", "bias")}
   bns = {"stem/bn": width}  # BatchNorm key path -> channels
   cin = width
   for si, n in enumerate(blocks):
@@ -346,17 +295,14 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
                else ((3, cin, mid), (3, mid, out)))
       for j, (k, a, b) in enumerate(convs):
         s[p + f"conv{j}/kernel"] = ((k, k, a, b), f32, "normal")
-        s[p + f"bn{j}/scale"] = ((b,), f32, "ones")
-        s[p + f"bn{j}/bias"] = ((b,), f32, "zeros")
+        s.update(_norm(p + f"bn{j}", b, "scale", "bias"))
         bns[p + f"bn{j}"] = b
       if bi == 0 and (cin != out or si > 0):
         s[p + "proj/kernel"] = ((1, 1, cin, out), f32, "normal")
-        s[p + "proj_bn/scale"] = ((out,), f32, "ones")
-        s[p + "proj_bn/bias"] = ((out,), f32, "zeros")
+        s.update(_norm(p + "proj_bn", out, "scale", "bias"))
         bns[p + "proj_bn"] = out
       cin = out
-  s.update({"head/kernel": ((cin, classes), f32, "normal"),
-            "head/bias": ((classes,), f32, "zeros")})
+  s.update(_linear("head", cin, classes, "kernel", "bias"))
   state = None
   if bn_state:
     state = _make({f"{path}/{stat}": ((c,), f32, "zeros" if stat == "mean" else "ones")
@@ -374,16 +320,12 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
       mean = jnp.mean(x, (0, 1, 2))
       var = jnp.mean(jnp.square(x - mean), (0, 1, 2))
       if running is not None:
-        old = running
-        for k in path.split("/"):
-          old = old[k]
+        old = functools.reduce(operator.getitem, path.split("/"), running)
         new[path + "/mean"] = BN_MOMENTUM * old["mean"] + (1 - BN_MOMENTUM) * \
             jax.lax.stop_gradient(mean)
         new[path + "/var"] = BN_MOMENTUM * old["var"] + (1 - BN_MOMENTUM) * \
             jax.lax.stop_gradient(var)
-      p = params
-      for k in path.split("/"):
-        p = p[k]
+      p = functools.reduce(operator.getitem, path.split("/"), params)
       return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
 
     h = jax.nn.relu(bn(conv(images, params["stem"]["conv"]["kernel"], 2), "stem/bn"))
@@ -423,9 +365,6 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
                _make(s, seed, abstract), loss, batch, like, state)
 
 
-# -- thousands of tiny leaves ----------------------------------------------------------
-
-
 def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bool = False,
                name: str = "many_small_4000") -> Model:
   """A mixture of ``len(sizes)`` tiny experts: expert i maps the input through
@@ -439,32 +378,18 @@ def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bo
               for i, p in enumerate(leaves)) / len(leaves)
     return jnp.mean(jnp.square(out - y))
 
-  def batch(n):
-    r = np.random.default_rng(seed + 1)
-    return (r.standard_normal((n, features)).astype(np.float32),
-            r.standard_normal((n,)).astype(np.float32))
-
-  def like(n):
-    return (jax.ShapeDtypeStruct((n, features), jnp.float32),
-            jax.ShapeDtypeStruct((n,), jnp.float32))
-
+  batch, like = _data(lambda n: (jax.ShapeDtypeStruct((n, features), jnp.float32),
+                                 jax.ShapeDtypeStruct((n,), jnp.float32)), seed + 1)
   return Model(name, f"{len(sizes)} tiny experts", _make(s, seed, abstract), loss, batch,
                like)
 
 
-# -- the workloads at full size --------------------------------------------------------
-
-
 def full_size(name: str, *, abstract: bool = True) -> Model:
   """Workload ``name`` at the size of its shape table (``benchmarks/workloads``)."""
-  if name == "gpt2_small":
-    return gpt2(abstract=abstract)
-  if name == "bert_base":
-    return bert(abstract=abstract)
-  if name == "resnet50":
-    return resnet(image=224, abstract=abstract)
-  if name == "mixed_llama_tiny":
-    return llama(abstract=abstract)
+  simple = {"gpt2_small": gpt2, "bert_base": bert, "mixed_llama_tiny": llama,
+            "resnet50": lambda abstract: resnet(image=224, abstract=abstract)}
+  if name in simple:
+    return simple[name](abstract=abstract)
   if name in ("gpt_1p3b", "gpt_1p3b_12"):  # the ZeRO-3 workload, and its half depth
     return gpt2(layers=24 if name == "gpt_1p3b" else 12, width=2048, vocab=50257,
                 positions=1024, heads=16, seq=1024, abstract=abstract, name=name)

@@ -1,16 +1,8 @@
-"""One adam update on one device: jpack on packed buckets, per-leaf optax, PyTorch.
-
-Per workload (its parameter shapes, random values), on the default device (a GPU where
-there is one), the same update of the same parameters by ``optax.adam`` on the tree,
-jitted and donated (per-leaf); by ``jpack.optax.flat(optax.adam)`` on params and
-gradients already packed, as in ``data_parallel(mode="packed")`` (jpack); and by
-``torch.optim.Adam(fused=True)`` on CUDA tensors (on a machine without CUDA the
-``foreach=True`` Adam on CPU tensors, labelled so; "n/a" without torch). Each time is one
-call's wall time, dispatch included, the median of interleaved rounds; speed-ups are
-medians of per-round ratios; max |Δp| checks that all compute the same adam.
+"""One adam update on one device, per workload: ``optax.adam`` on the tree (per-leaf),
+``jpack.optax.flat(optax.adam)`` on packed params and gradients (jpack), and
+``torch.optim.Adam`` (fused on CUDA, else foreach on CPU, labelled so; "n/a" without
+torch). Times: one call's wall time, the median of interleaved rounds.
 """
-
-from __future__ import annotations
 
 import dataclasses
 from typing import Any
@@ -24,7 +16,6 @@ import jpack
 from benchmarks import harness as h
 
 TITLE = "jpack optimizer update benchmark"
-DEVICES = None
 MERGE_KEY = "workload"
 LEARNING_RATE = 1e-3
 MODELS = h.workload_names()
@@ -33,14 +24,11 @@ VARIANTS = ("per_leaf", "jpack", "torch")
 DEFAULTS = dict(rounds=10, scale=1.0,
                 models=["gpt2_small", "bert_base", "resnet50", "many_small_4000"])
 QUICK = dict(rounds=3, scale=0.05, models=["gpt2_small", "bert_base", "resnet50"])
-# Goals on jpack's update time: below per-leaf optax's, at most torch's fused Adam's.
-GOAL_VS_PER_LEAF = 1.0
-GOAL_VS_TORCH = 1.0
+GOAL_VS_PER_LEAF = GOAL_VS_TORCH = 1.0  # jpack's time < per-leaf's, <= torch fused Adam's
 
 
 def scaled(w: h.Workload, scale: float) -> h.Workload:
-  """``w`` with every leaf's largest dimension times ``scale`` (at least 1): the same
-  leaves and ranks, about ``scale`` times the elements."""
+  """``w`` with every leaf's largest dimension times ``scale`` (at least 1)."""
   if scale == 1:
     return w
   shapes = {}
@@ -57,16 +45,11 @@ def _check_floating(w: h.Workload) -> None:
   bad = [p for p, s in w.shapes.items() if not jnp.issubdtype(s.dtype, jnp.floating)]
   if bad:
     raise SystemExit(f"Workload {w.name!r} has non-floating leaves ({', '.join(bad[:3])}"
-                     f"{' ...' if len(bad) > 3 else ''}); adam needs floating parameters. "
-                     "Choose another workload with --workloads.")
-
-
-# -- the variants ----------------------------------------------------------------------
+                     "...): adam needs floating parameters; choose other --workloads.")
 
 
 class _Update:
-  """A compiled update that donates its params and state: each call continues from the
-  last call's outputs, so repeated calls never touch a donated buffer."""
+  """A compiled update donating its params and state; each call continues from the last."""
 
   def __init__(self, tx: optax.GradientTransformation, grads: Any, params: Any):
     def update(g, s, p):
@@ -89,21 +72,17 @@ class _TorchAdam:
   def __init__(self, torch: Any, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]):
     self.torch = torch
     self.cuda = torch.cuda.is_available()
-    device = "cuda" if self.cuda else "cpu"
-    # Fused Adam is the fastest torch has on CUDA; on CPU the foreach one is the common
-    # choice, and it is labelled so that no one reads it as the GPU comparison.
-    self.label = "fused (CUDA)" if self.cuda else "foreach (CPU)"
+    self.label, device, kind = (("fused (CUDA)", "cuda", {"fused": True}) if self.cuda
+                                else ("foreach (CPU)", "cpu", {"foreach": True}))
     self.tensors = {k: self._tensor(v, device) for k, v in params.items()}
     for k, t in self.tensors.items():
       t.requires_grad_(True)
       t.grad = self._tensor(grads[k], device)
-    kind = {"fused": True} if self.cuda else {"foreach": True}
     self.opt = torch.optim.Adam(list(self.tensors.values()), lr=LEARNING_RATE, **kind)
 
   def _tensor(self, x: np.ndarray, device: str) -> Any:
     dtype = getattr(self.torch, np.dtype(x.dtype).name)  # float32, bfloat16, ...
-    # A copy: ``x`` may be a read-only view of a JAX buffer, and numpy has no bfloat16
-    # that torch reads, so narrow floats cross as float32.
+    # A copy (``x`` may be a read-only JAX buffer); narrow floats cross as float32.
     host = np.array(x, np.float32 if x.dtype.itemsize < 4 else x.dtype)
     return self.torch.from_numpy(host).to(device=device, dtype=dtype)
 
@@ -117,20 +96,16 @@ class _TorchAdam:
 
 
 def _import_torch() -> Any:
-  """torch, or None (saying why). Import it after JAX's backend has started: torch loads
-  its own CUDA libraries (cuDNN, cuBLAS), and a JAX that finds older ones already loaded
-  refuses its GPU."""
+  """torch, or None. Imported after JAX's backend started: a JAX that finds torch's older
+  CUDA libraries loaded refuses its GPU."""
   try:
     import torch
   except (ImportError, OSError) as e:
     print(f"torch: n/a ({type(e).__name__}: {e})", flush=True)
     return None
-  cuda = "available" if torch.cuda.is_available() else "not available"
-  print(f"torch: {torch.__version__}, CUDA {cuda}", flush=True)
+  print(f"torch: {torch.__version__}, CUDA {'' if torch.cuda.is_available() else 'not '}"
+        "available", flush=True)
   return torch
-
-
-# -- measuring -------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -143,13 +118,8 @@ class Result:
   max_diff: dict[str, float]
 
 
-def _host(tree: Any) -> dict[str, np.ndarray]:
-  return {k: np.asarray(v, np.float64) for k, v in tree.items()}
-
-
 def _max_diff_packed(a: dict[str, np.ndarray], packed: jpack.Packed) -> float:
-  """`h.max_diff` against each leaf's slice of the buckets, read on the host: unpacking
-  on the device would compile a program with an output per leaf just for this check."""
+  """`h.max_diff` against each leaf's slice of the buckets, on the host."""
   buckets = [np.asarray(b, np.float64) for b in packed.buckets]
   slots = packed.layout.slots  # in the order of the tree's leaves
   return max((float(np.max(np.abs(buckets[s.bucket][s.offset:s.offset + s.size]
@@ -157,13 +127,12 @@ def _max_diff_packed(a: dict[str, np.ndarray], packed: jpack.Packed) -> float:
               for s, x in zip(slots, jax.tree.leaves(a)) if s.size), default=0.0)
 
 
-def bench_workload(w: h.Workload, torch: Any, *, runs: int,
-                   bucket_bytes: int | None) -> Result:
+def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
   """Build every variant from the same values, check their first update, time them."""
   print(f"\n{w.describe()}", flush=True)
   params = h.random_tree(w.shapes, seed=0)
   grads = h.random_tree(w.shapes, seed=1)
-  layout = jpack.plan(params, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+  layout = jpack.plan(params)
   print(f"  {len(layout.buckets)} buckets", flush=True)
   # jpack's inputs are packed first: the per-leaf update donates ``params``.
   calls: dict[str, Any] = {"jpack": _Update(jpack.optax.flat(optax.adam(LEARNING_RATE)),
@@ -179,7 +148,7 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int,
   print("  compile: " + ", ".join(f"{k} {h.fmt_s(s)} s" for k, s in compile_s.items()),
         flush=True)
 
-  reference = _host(jax.block_until_ready(calls["per_leaf"]()))
+  reference = {k: np.asarray(v, np.float64) for k, v in calls["per_leaf"]().items()}
   max_diff = {"jpack": _max_diff_packed(reference, calls["jpack"]())}
   if torch_adam is not None:
     torch_adam()
@@ -195,14 +164,9 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int,
                 torch_adam.label if torch_adam else "n/a", max_diff)
 
 
-# -- reporting -------------------------------------------------------------------------
-
-
 def _speedup(timings: dict[str, h.Timing], base: str) -> float | None:
   """``base``'s time / jpack's, the median of per-round ratios."""
-  if base not in timings:
-    return None
-  return 1 / timings["jpack"].over(timings[base])
+  return 1 / timings["jpack"].over(timings[base]) if base in timings else None
 
 
 def _tables(results: list[Result]) -> tuple[h.Table, h.Table]:
@@ -239,7 +203,6 @@ def _tables(results: list[Result]) -> tuple[h.Table, h.Table]:
 
     goal("jpack time / per-leaf optax time", None if vs_leaf is None else 1 / vs_leaf,
          GOAL_VS_PER_LEAF, strict=True)
-    # Only the fused CUDA Adam is the comparison the goal means.
     goal("jpack time / torch fused Adam time", None if vs_torch is None else 1 / vs_torch,
          GOAL_VS_TORCH, strict=False, comparable=r.torch_label.startswith("fused"))
   return times, goals
@@ -251,7 +214,7 @@ def run(opts: Any, report: h.Report) -> None:
   for name in opts.models:
     w = scaled(h.load_workload(name), opts.scale)
     _check_floating(w)
-    results.append(bench_workload(w, torch, runs=opts.rounds, bucket_bytes=opts.bucket_bytes))
+    results.append(bench_workload(w, torch, runs=opts.rounds))
     h.release_host_memory()
     report.parts[:] = [*_tables(results), "Times: one update's wall time, dispatch included; "
                        "median of interleaved rounds. speed-up = the other's time / jpack's "

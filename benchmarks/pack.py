@@ -1,12 +1,7 @@
-"""pack / unpack on one device, per workload of benchmarks/workloads, against (a) ``x * 2``
-over one array of the tree's bytes and (b) per-leaf ``x * 2`` over the tree; with
-``ravel_pytree`` as a baseline, the calls outside jit (first call and later calls), and
-``jpack.plan`` (pure Python). Every op is compiled ahead of time (lowering and
-compiling timed apart) and timed alone with its output materialized: XLA cancels
-``unpack(pack(x))`` inside one jit.
+"""pack / unpack on one device, per workload, against (a) ``x * 2`` over one array of the
+tree's bytes and (b) per-leaf ``x * 2``, with ``ravel_pytree``, the calls outside jit and
+``jpack.plan``. Each op is compiled alone and its output materialized.
 """
-
-from __future__ import annotations
 
 from typing import Any, Callable
 
@@ -16,9 +11,9 @@ from jax.flatten_util import ravel_pytree
 
 import jpack
 from benchmarks import harness as h
+from jpack._pack import unpack_shared  # unpack, equal slices sharing kernels
 
 TITLE = "jpack pack / unpack benchmark"
-DEVICES = None
 MERGE_KEY = "workload"
 MODELS = h.workload_names()
 VARIANTS = {"single": "(a) x*2 single", "per_leaf": "(b) x*2 per-leaf",
@@ -71,15 +66,14 @@ def bench_workload(w: h.Workload, rounds: int) -> tuple[dict[str, dict], jpack.L
       packed = jax.block_until_ready(compiled.fn(tree))
     if key == "ravel":
       flat = jax.block_until_ready(compiled.fn(tree))
-  for key, f, arg in (("unpack", jpack.unpack, packed), ("unpack_shared", h.unpack_shared, packed),
+  for key, f, arg in (("unpack", jpack.unpack, packed), ("unpack_shared", unpack_shared, packed),
                       ("unravel", box["unravel"], flat)):
     res[key], _ = _measure(f, arg, rounds)
     res[key]["output"] = _describe(tree)
   # The same calls outside jit, as a script makes them: the first call compiles.
   for key, f, arg in (("eager_pack", lambda t: jpack.pack(t, layout), tree),
                       ("eager_unpack", jpack.unpack, packed)):
-    first = h.time_rounds({"f": lambda: f(arg)}, 1, warmup=0)["f"].median_s
-    res[key] = {"first_s": first,
+    res[key] = {"first_s": h.timed(lambda: f(arg))[1],
                 "later_s": h.time_rounds({"f": lambda: f(arg)}, rounds, warmup=0)["f"].median_s}
   for key, r in res.items():
     print(f"  {key:<14} " + "  ".join(f"{k} {v:.4g}" for k, v in r.items()

@@ -3,24 +3,10 @@
     python -m benchmarks render            # rewrite every marked block in place
     python -m benchmarks render --check    # exit 1, naming the files, if a block is stale
 
-A marked block is
-
-    <!-- figures: NAME -->
-    (generated: never edit by hand)
-    <!-- /figures -->
-
-where NAME is one of `RENDERERS`. Each renderer reads ``benchmarks/results/<bench>.json``
-(written by ``python -m benchmarks <bench>``) and returns Markdown: a table built from
-the cells the benchmark printed, and a line naming the machine and the command that
-produced it. Rows a JSON file lacks are left out; a missing file renders as a note
-saying which command makes it. The output depends on the JSON alone, so rendering twice
-changes nothing, and `tests/test_figures.py` fails when a page differs from what this
-renders.
-
-This module imports neither JAX nor jpack: it only reads JSON and writes text.
+A marked block is ``<!-- figures: NAME -->`` ... ``<!-- /figures -->``, NAME one of
+`RENDERERS`; its body is generated from ``benchmarks/results/<bench>.json`` alone (a
+missing file renders as the command that makes it). Imports neither JAX nor jpack.
 """
-
-from __future__ import annotations
 
 import json
 import pathlib
@@ -29,15 +15,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-
 BLOCK = re.compile(r"(<!-- figures: *(?P<name>[\w-]+) *-->)\n(?P<body>.*?)(<!-- /figures -->)",
                    re.DOTALL)
-
 Results = Mapping[str, Any]  # benchmark name -> its JSON document (absent: not run)
 Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
-
-
-# -- reading the results ----------------------------------------------------------------
 
 
 def load_results(results_dir: pathlib.Path = RESULTS_DIR,
@@ -45,22 +26,16 @@ def load_results(results_dir: pathlib.Path = RESULTS_DIR,
                                          "checkpoint", "gpu_compile", "startup", "multinode")
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
-  found = {}
-  for name in names:
-    path = pathlib.Path(results_dir) / f"{name}.json"
-    if path.is_file():
-      found[name] = json.loads(path.read_text())
-  return found
+  paths = {name: pathlib.Path(results_dir) / f"{name}.json" for name in names}
+  return {name: json.loads(p.read_text()) for name, p in paths.items() if p.is_file()}
 
 
-def _tables(doc: Mapping[str, Any], *columns: str) -> list[Mapping[str, Any]]:
-  """The tables of ``doc`` that have all of ``columns``: a table is recognised by what
-  it holds, not by its title, which benchmarks may reword."""
-  return [t for t in doc.get("tables", []) if all(c in t["columns"] for c in columns)]
+def _tables(doc: Mapping[str, Any] | None, *columns: str) -> list[Mapping[str, Any]]:
+  """The tables of ``doc`` that have all of ``columns`` (titles may be reworded)."""
+  return [t for t in (doc or {}).get("tables", []) if all(c in t["columns"] for c in columns)]
 
 
-def _step_tables(doc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-  """One table per model of a step run."""
+def _step_tables(doc: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
   return [t for t in _tables(doc, "variant", "step ms", "speed-up") if t["rows"]]
 
 
@@ -72,43 +47,38 @@ def _model(table: Mapping[str, Any]) -> str:
   return table["rows"][0]["values"].get("model", "") if table["rows"] else ""
 
 
-# -- formatting -------------------------------------------------------------------------
-
 _NUMERIC = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?\s*(x|%|ms|s|B|KiB|MiB|GiB)?$")
-
-
-def _numeric(cell: str) -> bool:
-  return bool(_NUMERIC.match(cell.strip()))
-
-
-def _cell(text: Any) -> str:
-  return str(text).replace("|", "\\|")
+_EMPTY = ("", "-", "n/a")
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   """A GitHub Markdown table; columns whose cells all look numeric are right-aligned."""
   rows = [[str(c) for c in r] for r in rows]
-  right = []
-  for i in range(len(columns)):
-    cells = [r[i] for r in rows if r[i] not in ("", "-")]
-    right.append(bool(cells) and all(_numeric(c) for c in cells))
-  lines = ["| " + " | ".join(_cell(c) for c in columns) + " |",
-           "|" + "|".join("---:" if r else "---" for r in right) + "|"]
-  lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
-  return "\n".join(lines)
+  cells = [[r[i] for r in rows if r[i] not in ("", "-")] for i in range(len(columns))]
+  right = [bool(c) and all(_NUMERIC.match(x.strip()) for x in c) for c in cells]
+  line = lambda r: "| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |"
+  return "\n".join([line(columns), "|" + "|".join("---:" if r else "---" for r in right) + "|",
+                    *map(line, rows)])
 
 
-_EMPTY = ("", "-", "n/a")
-
-
-def _select(table: Mapping[str, Any], columns: Sequence[str],
+def _select(table: Mapping[str, Any], columns: Sequence[str] | None = None,
             rows: Sequence[Row] | None = None) -> str:
-  """``table`` as Markdown with only ``columns`` (those it has, and not empty in every
-  row: torch's columns on a machine without torch), in that order."""
+  """``table`` with only ``columns`` (those it has, not empty in every row), in order."""
   rows = table["rows"] if rows is None else rows
-  shown = [c for c in columns if c in table["columns"]
+  shown = [c for c in columns or table["columns"] if c in table["columns"]
            and any(r["cells"].get(c, "") not in _EMPTY for r in rows)]
   return markdown_table(shown, [[r["cells"].get(c, "") for c in shown] for r in rows])
+
+
+def _versions(m: Mapping[str, Any]) -> str:
+  return ", ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "optax", "python") if k in m)
+
+
+def _commands(doc: Mapping[str, Any]) -> str:
+  """"Command: `...`", or "Commands: `...`, `...`" for results merged from runs."""
+  commands = doc.get("commands", [doc.get("command", "?")])
+  return (f"Command{'s' if len(commands) > 1 else ''}: "
+          + ", ".join(f"`{x}`" for x in commands))
 
 
 def machine_line(doc: Mapping[str, Any]) -> str:
@@ -122,8 +92,7 @@ def machine_line(doc: Mapping[str, Any]) -> str:
     devices = f"{n} CPU devices simulated on one {host}"
   else:
     devices = f"{n} x {m.get('device_kind', platform)} ({platform}), host {host}"
-  versions = ", ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "optax", "python") if k in m)
-  return f"Measured on {devices}; {versions}. {_commands(doc)}."
+  return f"Measured on {devices}; {_versions(m)}. {_commands(doc)}."
 
 
 def _missing(bench: str) -> str:
@@ -131,135 +100,31 @@ def _missing(bench: str) -> str:
 
 
 def _speedup(base: Row | None, row: Row) -> str:
-  """The baseline's step time over the row's, as the step benchmark prints ratios."""
-  if base is None:
-    return "-"
-  a, b = base["values"].get("step_s"), row["values"].get("step_s")
-  if not a or not b:
-    return "-"
-  return f"{a / b:.2f}x"
-
-
-# -- renderers --------------------------------------------------------------------------
-
-# The step table's columns, as performance.md shows them (the benchmark also prints its
-# own targets, which are not figures for users). "vs no saves" (the checkpoint rows) shows
-# only where the results have it.
-STEP_COLUMNS = ("variant", "step ms", "speed-up", "spread", "vs no saves", "compile s",
-                "collectives", "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf")
-# README rows, in order, those the step run has: (model, step key, the jax.jit baseline it
-# is compared with). The transformer leads; then the MLP of many equal leaves, a CNN of
-# fewer, larger leaves, and a large MLP.
-README_ROWS = (
-    ("gpt2_12x64", "packed", "jit"),
-    ("gpt2_12x64", "sharded", "jit_zero1"),
-    ("mlp_40x256", "packed", "jit"),
-    ("mlp_40x256", "sharded", "jit_zero1"),
-    ("mlp_40x256", "allreduce", "jit"),
-    ("mlp_40x256", "packed_bf16", "jit"),
-    ("resnet18_narrow", "packed", "jit"),
-    ("mlp_24x1024", "sharded", "jit_zero1"),
-)
-MODEL_LABELS = {"gpt2_12x64": "GPT-2-like", "vit_12x64": "ViT-like",
-                "mlp_40x256": "MLP 40x256", "resnet18_narrow": "ResNet-18-like",
-                "mlp_24x1024": "MLP 24x1024"}
-MODE_LABELS = {"packed": '`mode="packed"`', "sharded": '`mode="sharded"` (ZeRO-1)',
-               "allreduce": '`mode="allreduce"`', "packed_bf16": '`mode="packed"`, bf16 wire'}
-MAIN_MODEL = "mlp_40x256"  # comparison.md's baselines
-# comparison.md: the baselines next to jpack's modes, in this order.
-BASELINE_KEYS = ("per_leaf", "jit", "jit_zero1", "ravel", "flatten", "hand_zero1",
-                 "optax_chain", "hand_pmean", "allreduce", "packed", "sharded")
-BASELINE_COLUMNS = ("variant", "step ms", "speed-up", "spread", "compile s", "opt state/dev")
-
-
-def _main_table(tables: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-  return next((t for t in tables if _model(t) == MAIN_MODEL), tables[0])
-
-
-def _spread(base: Row | None, row: Row) -> str:
-  """`` (lo–hi)``: the lowest and highest block-by-block speed-ups, where both rows have
-  their block times from the same rounds; else nothing."""
-  a = base and base["values"].get("block_step_s")
-  b = row["values"].get("block_step_s")
-  if not a or not b or len(a) != len(b) or len(a) < 2:
-    return ""
-  ratios = [x / y for x, y in zip(a, b)]
-  return f" ({min(ratios):.2f}–{max(ratios):.2f})"
+  """The baseline's step time over the row's."""
+  a, b = (None, None) if base is None else (base["values"].get("step_s"),
+                                            row["values"].get("step_s"))
+  return f"{a / b:.2f}x" if a and b else "-"
 
 
 def _speedup_and_spread(base: Row | None, row: Row | None) -> str:
-  """``1.31x (1.10–1.51)``: `_speedup` with its `_spread`, or "-"."""
+  """``1.31x (1.10–1.51)``: the speed-up with the lowest and highest block-by-block ones
+  where both rows have block times from the same rounds."""
   ratio = "-" if row is None else _speedup(base, row)
-  return ratio if ratio == "-" else ratio + _spread(base, row)
+  a, b = base and base["values"].get("block_step_s"), row and row["values"].get("block_step_s")
+  if ratio == "-" or not a or not b or len(a) != len(b) or len(a) < 2:
+    return ratio
+  ratios = [x / y for x, y in zip(a, b)]
+  return f"{ratio} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
-def _readme_rows(tables: Sequence[Mapping[str, Any]]
-                 ) -> list[tuple[str, Row, Row | None, Row | None]]:
-  """(label, jpack's row, per-leaf's row, the jax.jit row to compare with) for each
-  README row the step run has, in `README_ROWS`' order."""
-  by_model = {_model(t): _by_key(t) for t in tables}
-  picked = []
-  for model, key, jit in README_ROWS:
-    rows = by_model.get(model, {})
-    if key in rows and "step_s" in rows[key]["values"]:
-      label = f"{MODEL_LABELS.get(model, model)}, {MODE_LABELS.get(key, key)}"
-      picked.append((label, rows[key], rows.get("per_leaf"), rows.get(jit)))
-  return picked
-
-
-def _startup(results: Results) -> dict[tuple[str, str], str]:
-  """``{(model, mode): "first (again)"}`` from the startup benchmark: building the step
-  and ``init``, the first time (the optimizer check probes) and again (cached)."""
-  doc = results.get("startup")
-  out = {}
-  for table in _tables(doc, "model", "mode", "first s", "again s") if doc else []:
-    for r in table["rows"]:
-      c = r["cells"]
-      if c.get("optimizer", "adamw") == "adamw":  # the step benchmark's optimizer
-        out[(c["model"], c["mode"])] = f"{c['first s']} ({c['again s']})"
-  return out
-
-
-def render_readme(results: Results) -> str:
-  """jpack's modes on the transformer first, then on an MLP of many equal leaves, a CNN
-  and a large MLP (`README_ROWS`), against per-leaf and jax.jit, with the spread over the
-  interleaved rounds; compile time and state included."""
-  doc = results.get("step")
-  tables = _step_tables(doc) if doc else []
-  if not tables:
-    return _missing("step")
-  picked = _readme_rows(tables)
-  with_jit = any(jit is not None for *_, jit in picked)
-  columns = ["step (Adam)", "speed-up vs per-leaf `shard_map`"]
-  columns += ["speed-up vs `jax.jit` + `NamedSharding`"] if with_jit else []
-  columns += ["compile s: jpack (per-leaf)", "build + init s: first (again)",
-              "optimizer state per device"]
-  startup = _startup(results)
-  out = []
-  for label, row, base, jit in picked:
-    base_compile = base["cells"].get("compile s", "-") if base else "-"
-    out.append([label, _speedup_and_spread(base, row),
-                *([_speedup(jit, row)] if with_jit else []),
-                f"{row['cells'].get('compile s', '-')} ({base_compile})",
-                startup.get((row["values"].get("model"), row["values"].get("key")), "-"),
-                row["cells"].get("opt state/dev", "-")])
-  models = {row["values"].get("model") for _, row, *_ in picked}
-  # "GPT-2 decoder 12x64 (148 leaves, 0.67 M params), adam, 8 devices": up to ")".
-  shown = [t["title"].rsplit("), ", 1)[0] + ")" for t in tables if _model(t) in models]
-  note = ("Speed-up: the baseline's step time over jpack's, in the same run (above 1x, jpack "
-          "is faster); in brackets, the lowest and the highest over the interleaved rounds. "
-          "Build + init: `jpack.data_parallel` and `init` before the first step, from "
-          "`python -m benchmarks startup` (the first build of a model probes the "
-          "optimizer; again, the verdict is cached). "
-          f"Models: {'; '.join(shown) or _main_table(tables)['title']}.")
-  if with_jit:
-    note += (" ZeRO-1 is compared with `jax.jit` sharding the optimizer state by "
-             "`NamedSharding`.")
-  return "\n\n".join([markdown_table(columns, out), note, machine_line(doc)])
-
-
-# The README's comparison: the GPT-2-like model on CPU, the four real workloads compiled
-# for GPUs, each with the baseline it is compared against.
+# The step table's columns as performance.md shows them (not the benchmark's targets).
+STEP_COLUMNS = ("variant", "step ms", "speed-up", "spread", "vs no saves", "compile s",
+                "collectives", "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf")
+MAIN_MODEL = "mlp_40x256"  # comparison.md's baselines, in this order:
+BASELINE_KEYS = ("per_leaf", "jit", "jit_zero1", "ravel", "flatten", "hand_zero1",
+                 "optax_chain", "hand_pmean", "allreduce", "packed", "sharded")
+BASELINE_COLUMNS = ("variant", "step ms", "speed-up", "spread", "compile s", "opt state/dev")
+# The README's comparison: the GPT-2-like model on CPU, and the workloads compiled for GPUs.
 HEADLINE_CPU = (("packed", "jit", '`mode="packed"`'),
                 ("sharded", "jit_zero1", '`mode="sharded"` (ZeRO-1)'))
 HEADLINE_GPU = ("gpt2_small", "bert_base", "resnet50", "mixed_llama_tiny")
@@ -275,8 +140,7 @@ def _fewer(ours: Sequence[float], theirs: Sequence[float]) -> str:
 
 
 def _overlap_cell(rows: Sequence[Row]) -> str:
-  """``all`` when every collective of every workload overlaps compute, else the workload
-  with the most left alone: ``107 of 208 (resnet50)``."""
+  """``all``, or the workload with the most collectives not overlapping compute."""
   worst = None
   for r in rows:
     done, total = (int(x) for x in r["cells"]["overlapped"].split("/"))
@@ -285,19 +149,22 @@ def _overlap_cell(rows: Sequence[Row]) -> str:
   return "all" if worst is None else f"{worst[0]} of {worst[1]} on {worst[2]}"
 
 
+def _model_title(doc: Mapping[str, Any], model: str) -> str:
+  """A step table's title up to its model's description: "GPT-2 decoder 12x64 (...)"."""
+  return next((t["title"].rsplit("), ", 1)[0] + ")" for t in _step_tables(doc)
+               if _model(t) == model), model)
+
+
 def render_headline(results: Results) -> str:
-  """The README's one table: jpack against `jax.jit` + `NamedSharding` and against a
-  per-leaf `shard_map` step, step time on CPU and the program compiled for GPUs."""
+  """The README's table: jpack against `jax.jit` + `NamedSharding` and a per-leaf
+  `shard_map` step, step time on CPU and the program compiled for GPUs."""
   step, gpu = results.get("step"), results.get("gpu_compile")
   if not step or not gpu:
     return _missing("step" if not step else "gpu_compile")
   rows = next((_by_key(t) for t in _step_tables(step) if _model(t) == "gpt2_12x64"), {})
-  out = []
-  for key, jit, label in HEADLINE_CPU:
-    if key in rows:
-      out.append([f"CPU step time, GPT-2-like, {label}",
-                  _speedup(rows.get(jit), rows[key]) + " faster",
-                  _speedup_and_spread(rows.get("per_leaf"), rows[key]) + " faster"])
+  out = [[f"CPU step time, GPT-2-like, {label}", _speedup(rows.get(jit), rows[key]) + " faster",
+          _speedup_and_spread(rows.get("per_leaf"), rows[key]) + " faster"]
+         for key, jit, label in HEADLINE_CPU if key in rows]
   by_workload = {t["rows"][0]["values"]["workload"]: _by_key(t)
                  for t in _tables(gpu, "variant", "kernels", "HBM MiB (est.)")}
   found = [by_workload[w] for w in HEADLINE_GPU if w in by_workload]
@@ -327,71 +194,28 @@ def render_headline(results: Results) -> str:
                                        "per-leaf `shard_map` step"], out), note])
 
 
-def _model_title(doc: Mapping[str, Any], model: str) -> str:
-  """A step table's title up to its model's description: "GPT-2 decoder 12x64 (...)"."""
-  for t in _step_tables(doc):
-    if _model(t) == model:
-      return t["title"].rsplit("), ", 1)[0] + ")"
-  return model
-
-
-# The real architectures, and the modes the README's "skip it when" shows on them.
-REAL_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow")
-REAL_MODEL_KEYS = (("packed", '`mode="packed"`'), ("sharded", '`mode="sharded"`'),
-                   ("hand_pmean", "hand-written `jpack.pmean` step"))
-
-
-def render_real_models(results: Results) -> str:
-  """Speed-ups over the per-leaf step on the real architectures (`REAL_MODELS`), with
-  their spread: one row per model, one column per mode (`REAL_MODEL_KEYS`)."""
-  doc = results.get("step")
-  tables = [t for t in (_step_tables(doc) if doc else []) if _model(t) in REAL_MODELS]
-  if not tables:
-    return _missing("step")
-  out = []
-  for model in REAL_MODELS:
-    rows = next((_by_key(t) for t in tables if _model(t) == model), None)
-    if rows is None:
-      continue
-    out.append([MODEL_LABELS[model], *(_speedup_and_spread(rows.get("per_leaf"),
-                                                          rows.get(key))
-                                       for key, _ in REAL_MODEL_KEYS)])
-  columns = ["speed-up over per-leaf", *(label for _, label in REAL_MODEL_KEYS)]
-  return "\n\n".join([markdown_table(columns, out),
-                       "In brackets, the lowest and the highest over the interleaved "
-                       "rounds. The models and their full tables: "
-                       "[docs/performance.md](docs/performance.md#training-step).",
-                       machine_line(doc)])
-
-
 def render_step(results: Results) -> str:
   """Every model of the step run, one table each."""
   doc = results.get("step")
-  tables = _step_tables(doc) if doc else []
-  if not tables:
+  if not _step_tables(doc):
     return _missing("step")
-  parts = []
-  for t in tables:
-    parts += [f"**{t['title']}**", _select(t, STEP_COLUMNS)]
+  parts = [p for t in _step_tables(doc) for p in (f"**{t['title']}**", _select(t, STEP_COLUMNS))]
   return "\n\n".join(parts + [machine_line(doc)])
 
 
 def render_baselines(results: Results) -> str:
   """The plain baselines next to jpack's modes, on the main model."""
   doc = results.get("step")
-  tables = _step_tables(doc) if doc else []
+  tables = _step_tables(doc)
   if not tables:
     return _missing("step")
-  main = _main_table(tables)
+  main = next((t for t in tables if _model(t) == MAIN_MODEL), tables[0])
   rows = _by_key(main)
-  picked = [rows[k] for k in BASELINE_KEYS if k in rows]
-  return "\n\n".join([f"**{main['title']}**", _select(main, BASELINE_COLUMNS, picked),
-                      machine_line(doc)])
+  return "\n\n".join([f"**{main['title']}**", _select(main, BASELINE_COLUMNS, [
+      rows[k] for k in BASELINE_KEYS if k in rows]), machine_line(doc)])
 
 
-# The collectives table, one row per workload: (header, variant key, column of the
-# benchmark's own table). The benchmark's table has one row per variant; this keeps its
-# cells and shows the comparisons side by side.
+# One row per workload: (header, variant key, column of the benchmark's own table).
 COLLECTIVES_COLUMNS = (
     ("per-leaf ms", "per_leaf", "run ms"),
     ("floor ms", "floor", "run ms"),
@@ -408,79 +232,55 @@ COLLECTIVES_COLUMNS = (
 def render_collectives(results: Results) -> str:
   """``pmean`` of each workload: jpack against per-leaf and the single-array floor."""
   doc = results.get("collectives")
-  tables = _tables(doc, "workload", "variant", "vs per-leaf", "vs floor") if doc else []
+  tables = _tables(doc, "workload", "variant", "vs per-leaf", "vs floor")
   if not tables:
     return _missing("collectives")
   workloads: dict[str, dict[str, Row]] = {}
   for row in tables[0]["rows"]:
     workloads.setdefault(row["cells"]["workload"], {})[row["values"].get("key")] = row
-  shown = [c for c in COLLECTIVES_COLUMNS
-           if any(c[1] in variants for variants in workloads.values())]
+  shown = [c for c in COLLECTIVES_COLUMNS if any(c[1] in v for v in workloads.values())]
   rows = [[label] + [v[key]["cells"].get(column, "-") if key in v else "-"
-                     for _, key, column in shown]
-          for label, v in workloads.items()]
+                     for _, key, column in shown] for label, v in workloads.items()]
   return "\n\n".join([markdown_table(["workload"] + [c[0] for c in shown], rows),
                        machine_line(doc)])
 
 
-def render_pack(results: Results) -> str:
-  """pack / unpack against per-leaf and single-array copies, one device: the benchmark's
-  table of ratios, one row per workload."""
-  doc = results.get("pack")
-  tables = _tables(doc, "workload", "pack/max(a,b)", "unpack/max(a,b)") if doc else []
-  if not tables:
-    return _missing("pack")
-  table = tables[0]
-  return "\n\n".join([_select(table, table["columns"]), machine_line(doc)])
+def _one_table(bench: str, required: Sequence[str], columns: Sequence[str] | None = None,
+               titled: bool = True, note: Callable[[Mapping], str] = lambda doc: ""
+               ) -> Callable[[Results], str]:
+  """A renderer of the first table of ``bench`` that has the ``required`` columns:
+  its title, its ``columns`` (default: all), ``note(doc)`` and the machine line."""
+  def render(results: Results) -> str:
+    doc = results.get(bench)
+    tables = _tables(doc, *required)
+    if not tables:
+      return _missing(bench)
+    parts = [f"**{tables[0]['title']}**" if titled else "", _select(tables[0], columns),
+             note(doc), machine_line(doc)]
+    return "\n\n".join(p for p in parts if p)
+  return render
 
 
-def render_optimizer(results: Results) -> str:
-  """One Adam update: jpack on buckets against per-leaf optax (and torch where present)."""
-  doc = results.get("optimizer")
-  tables = _tables(doc, "workload", "per-leaf ms", "jpack ms") if doc else []
-  if not tables:
-    return _missing("optimizer")
-  table = tables[0]
-  return "\n\n".join([f"**{table['title']}**", _select(table, table["columns"]),
-                       machine_line(doc)])
-
-
-CHECKPOINT_COLUMNS = ("variant", "step ms", "vs no saves", "save call ms", "wait at end ms",
-                      "checkpoint MiB")
-
-
-def render_checkpoint(results: Results) -> str:
-  """The step loop with an Orbax checkpoint every 10 steps, asynchronous and not, against
-  the same loop without checkpoints."""
-  doc = results.get("checkpoint")
-  tables = _tables(doc, "variant", "step ms", "vs no saves") if doc else []
-  if not tables:
-    return _missing("checkpoint")
-  table = tables[0]
-  note = ("vs no saves: the loop's time over the same loop's without saves, in the same "
-          "round. save call ms: how long a call of `jpack.checkpoint.save` that "
-          "saves holds the loop up, once the steps queued before it are done; wait at "
-          "end: `manager.wait_until_finished()` after the loop. On CPU devices the "
-          "background write shares the cores with the steps.")
-  return "\n\n".join([f"**{table['title']}**", _select(table, CHECKPOINT_COLUMNS), note,
-                       machine_line(doc)])
-
-
-def render_startup(results: Results) -> str:
-  """Building a data_parallel step and its init, the first time (the optimizer probed)
-  and again (its verdict cached), per model and mode."""
-  doc = results.get("startup")
-  tables = _tables(doc, "model", "leaves", "mode", "first s") if doc else []
-  if not tables:
-    return _missing("startup")
-  table = tables[0]
-  note = ("first: the model's first build, with a new optimizer object, which the "
-          "optimizer check reads (optax's own from a table; others probed); again: "
-          "the same optimizer object, its verdict cached (median over rounds). Before the first row, a 4-leaf MLP is built in every mode: ")
-  start = [n for n in doc.get("notes", []) if n.startswith("JAX's own start")]
-  return "\n\n".join([f"**{table['title']}**", _select(table, table["columns"]),
-                       note + (start[0] if start else "not counted."), machine_line(doc)])
-
+render_pack = _one_table("pack", ("workload", "pack/max(a,b)", "unpack/max(a,b)"), titled=False)
+render_optimizer = _one_table("optimizer", ("workload", "per-leaf ms", "jpack ms"))
+render_checkpoint = _one_table(
+    "checkpoint", ("variant", "step ms", "vs no saves"),
+    ("variant", "step ms", "vs no saves", "save call ms", "wait at end ms", "checkpoint MiB"),
+    note=lambda doc: (
+        "vs no saves: the loop's time over the same loop's without saves, in the same "
+        "round. save call ms: how long a call of `jpack.checkpoint.save` that "
+        "saves holds the loop up, once the steps queued before it are done; wait at "
+        "end: `manager.wait_until_finished()` after the loop. On CPU devices the "
+        "background write shares the cores with the steps."))
+render_startup = _one_table(
+    "startup", ("model", "leaves", "mode", "first s"),
+    note=lambda doc: (
+        "first: the model's first build, with a new optimizer object, which the optimizer "
+        "check reads (optax's own from a table; others probed); again: "
+        "the same optimizer object, its verdict cached (median over rounds). Before the "
+        "first row, a 4-leaf MLP is built in every mode: " + next(
+            (n for n in doc.get("notes", []) if n.startswith("JAX's own start")),
+            "not counted.")))
 
 GPU_COLUMNS = ("variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collectives",
                "overlapped", "temp MiB", "args MiB", "removed: kernels / HBM",
@@ -491,26 +291,22 @@ def render_gpu_compile(results: Results) -> str:
   """Every workload's steps compiled for 8 H100s, then the goals of the default and
   ZeRO-1 modes, one row per workload and mode."""
   doc = results.get("gpu_compile")
-  tables = _tables(doc, "variant", "kernels", "HBM MiB (est.)") if doc else []
+  tables = _tables(doc, "variant", "kernels", "HBM MiB (est.)")
   if not tables:
     return _missing("gpu_compile")
   parts = []
   for table in tables:
-    # Shares of per-leaf's overhead only compare steps of the same params and rows: not
-    # bf16 params (half the bytes) or accumulation (four passes).
+    # Shares of per-leaf's overhead only compare steps of the same params and rows.
     rows = [r if not str(r["values"].get("key", "")).endswith(("bf16_params", "acc4")) else
             {**r, "cells": {**r["cells"], "removed: kernels / HBM": "-"}}
             for r in table["rows"]]
     parts += [f"**{table['title']}**", _select(table, GPU_COLUMNS, rows)]
   goals: dict[tuple[str, str], dict[str, str]] = {}
   names: list[str] = []
-  for table in _tables(doc, "mode", "goal", "result"):
-    for row in table["rows"]:
-      v = row["values"]
-      goals.setdefault((v["workload"], row["cells"]["mode"]), {})[v["goal"]] = \
-          row["cells"]["result"]
-      if v["goal"] not in names:
-        names.append(v["goal"])
+  for row in (r for t in _tables(doc, "mode", "goal", "result") for r in t["rows"]):
+    v = row["values"]
+    goals.setdefault((v["workload"], row["cells"]["mode"]), {})[v["goal"]] = row["cells"]["result"]
+    names += [] if v["goal"] in names else [v["goal"]]
   if goals:
     answer = {"PASS": "yes", "MISS": "no"}
     parts += ["**The default and the ZeRO-1 mode against the per-leaf step, per workload**",
@@ -518,51 +314,30 @@ def render_gpu_compile(results: Results) -> str:
                              [[w, m, *(answer.get(g.get(n, ""), "") for n in names)]
                               for (w, m), g in goals.items()])]
   m = doc.get("machine", {})
-  versions = ", ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "optax", "python") if k in m)
   parts.append(f"Compiled for 8 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
-               f"{m.get('cpu', 'unknown CPU')} ({m.get('cores', '?')} cores); {versions}. "
+               f"{m.get('cpu', 'unknown CPU')} ({m.get('cores', '?')} cores); {_versions(m)}. "
                f"{_commands(doc)}.")
   return "\n\n".join(parts)
 
 
 def render_multinode(results: Results) -> str:
-  """Each model's steps compiled for 8 nodes x 8 H100s: bytes across nodes, overlap,
-  memory."""
+  """Each model's steps compiled for 8 nodes x 8 H100s."""
   doc = results.get("multinode")
-  tables = _tables(doc, "variant", "cross-node MiB") if doc else []
+  tables = _tables(doc, "variant", "cross-node MiB")
   if not tables:
     return _missing("multinode")
-  parts = [x for t in tables for x in (f"**{t['title']}**", _select(t, t["columns"]))]
   m = doc.get("machine", {})
-  parts.append(f"Compiled for 64 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
-               f"{m.get('cpu', 'unknown CPU')}; jax {m.get('jax', '?')}. {_commands(doc)}.")
-  return "\n\n".join(parts)
-
-
-def _commands(doc: Mapping[str, Any]) -> str:
-  """"Command: `...`", or "Commands: `...`, `...`" for results merged from runs."""
-  commands = doc.get("commands", [doc.get("command", "?")])
-  return (f"Command{'s' if len(commands) > 1 else ''}: "
-          + ", ".join(f"`{x}`" for x in commands))
+  return "\n\n".join([x for t in tables for x in (f"**{t['title']}**", _select(t))] + [
+      f"Compiled for 64 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
+      f"{m.get('cpu', 'unknown CPU')}; {_versions(m)}. {_commands(doc)}."])
 
 
 RENDERERS: dict[str, Callable[[Results], str]] = {
-    "readme": render_readme,
-    "headline": render_headline,
-    "real_models": render_real_models,
-    "step": render_step,
-    "baselines": render_baselines,
-    "collectives": render_collectives,
-    "pack": render_pack,
-    "optimizer": render_optimizer,
-    "checkpoint": render_checkpoint,
-    "gpu_compile": render_gpu_compile,
-    "startup": render_startup,
-    "multinode": render_multinode,
+    "headline": render_headline, "step": render_step, "baselines": render_baselines,
+    "collectives": render_collectives, "pack": render_pack, "optimizer": render_optimizer,
+    "checkpoint": render_checkpoint, "gpu_compile": render_gpu_compile,
+    "startup": render_startup, "multinode": render_multinode,
 }
-
-
-# -- pages ------------------------------------------------------------------------------
 
 
 def render_text(text: str, results: Results) -> str:
@@ -582,22 +357,13 @@ def blocks(text: str) -> list[str]:
 
 
 def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
-  """The user-facing Markdown files: README.md and every page under docs/."""
-  root = pathlib.Path(root)
-  return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
-
-
-def stale(root: pathlib.Path = ROOT, results_dir: pathlib.Path = RESULTS_DIR
-          ) -> list[pathlib.Path]:
-  """The pages whose blocks differ from what the results render."""
-  results = load_results(results_dir)
-  return [p for p in pages(root) if render_text(p.read_text(), results) != p.read_text()]
+  """README.md and every page under docs/."""
+  return [pathlib.Path(root) / "README.md", *sorted((pathlib.Path(root) / "docs").rglob("*.md"))]
 
 
 def main(check: bool = False) -> int:
   """Rewrite every marked block (``check``: change nothing, exit 1 if one is stale)."""
-  results = load_results()
-  changed = []
+  results, changed = load_results(), []
   for page in pages():
     text = page.read_text()
     new = render_text(text, results)

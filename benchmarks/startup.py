@@ -1,16 +1,7 @@
-"""Startup: building a data-parallel step and its ``init``, before any step compiles.
-
-What a user waits for before the first step compiles: ``jpack.data_parallel(...)``
-(planning, the optimizer check of ``jpack._probe`` on a miniature of the params, the
-state's shapes) and ``dp.init(params)`` (packing on the host, the small program that
-broadcasts the params and initialises the optimizer). Per model and mode, on 8 CPU
-devices, with ``optax.adamw`` (on the GPT-2-like model also lamb and muon): "first" with
-a new optimizer object (the check probes), "again" the same built again (its verdict
-cached; the median over rounds). A tiny model's build and init runs first, so that
-JAX's own start is not counted: it is shown apart.
+"""Startup: ``jpack.data_parallel(...)`` and ``dp.init(params)``, before any step
+compiles, per model and mode on 8 CPU devices: "first" with a new optimizer object (the
+check probes it), "again" the same object (its verdict cached).
 """
-
-from __future__ import annotations
 
 import dataclasses
 import statistics
@@ -22,7 +13,7 @@ import optax
 
 import jpack
 from benchmarks import harness as h
-from benchmarks import models
+from benchmarks import models, step
 
 TITLE = "Startup: data_parallel + init, 8 CPU devices"
 DEVICES = 8
@@ -55,8 +46,7 @@ def mlp(num_leaves: int) -> models.Model:
 
 MODELS: dict[str, Callable[[], models.Model]] = {
     **{f"mlp_{n}": (lambda n=n: mlp(n)) for n in (25, 200, 1000, 4000)},
-    "gpt2_12x64": lambda: models.gpt2(layers=12, width=64, vocab=1024, positions=32,
-                                      heads=4, seq=16, name="gpt2_12x64"),
+    "gpt2_12x64": lambda: step.MODELS["gpt2_12x64"](),
     "many_small_4000": lambda: models.full_size("many_small_4000", abstract=False),
 }
 
@@ -72,13 +62,8 @@ class Startup:
   again_build_s: float
   again_init_s: float
 
-  @property
-  def first_s(self) -> float:
-    return self.first_build_s + self.first_init_s
-
-  @property
-  def again_s(self) -> float:
-    return self.again_build_s + self.again_init_s
+  first_s = property(lambda self: self.first_build_s + self.first_init_s)
+  again_s = property(lambda self: self.again_build_s + self.again_init_s)
 
 
 def build_and_init(model: models.Model, optimizer: Any, mode: str) -> tuple[float, float]:
@@ -97,8 +82,7 @@ def measure(model: models.Model, mode: str, rounds: int, name: str) -> Startup:
 
 
 def goals(results: list[Startup], modes: list[str]) -> list[str]:
-  """At most GOAL_S up to GOAL_LEAVES leaves; the MLPs' time per leaf from GOAL_LEAVES
-  leaves to the largest at most linear."""
+  """At most GOAL_S up to GOAL_LEAVES leaves; at most linear in leaves beyond."""
   lines = []
   for mode in modes:
     rows = [r for r in results if r.mode == mode and r.optimizer == "adamw"]

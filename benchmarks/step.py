@@ -1,13 +1,7 @@
-"""A whole data-parallel step on 8 CPU devices: jpack's modes against the steps written
-without it, every variant training the same model from the same params on the same
-batch (split over the mesh axis, the state donated), timed in interleaved rounds of
-``--steps`` steps. The variants are `VARIANTS`, data built by `build`; the models are
-`MODELS`. Speed-ups are over per-leaf (or the variant's ``baseline``); "gap closed" is the
-share of per-leaf's time above the grads-only floor that a variant removes; max |Δp| is
-the largest parameter difference from the baseline after the same steps.
+"""A whole data-parallel step on 8 CPU devices: jpack's modes (`VARIANTS`, built by
+`build`) against the steps written without it, on the same model (`MODELS`), params and
+batch, timed in interleaved rounds of ``--steps`` steps. Columns: docs/performance.md.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import functools
@@ -42,8 +36,7 @@ QUICK = dict(steps=5, rounds=3, models=["mlp_40x256"])
 WEIGHT_DECAY = 0.1  # GPT-2's adamw
 
 
-def decays(params: Any) -> Any:
-  """GPT-2's weight-decay mask: matrices and embeddings, not biases and norms."""
+def decays(params: Any) -> Any:  # GPT-2's weight-decay mask: not biases and norms
   return jax.tree.map(lambda x: np.ndim(x) >= 2, params)
 
 
@@ -59,8 +52,7 @@ OPTIMIZERS: dict[str, Callable[[float], Any]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One step to measure: how it is built (``kind``, a key of `BUILDERS`), its
-  optimizer (a key of `OPTIMIZERS`) and its options."""
+  """One step: how it is built (``kind``, a key of `BUILDERS`), optimizer and options."""
   label: str
   kind: str = "jpack"           # "jpack": jpack.data_parallel(mode=mode, ...)
   mode: str = ""
@@ -75,10 +67,7 @@ class Variant:
   compared: bool = True         # max |Δp| against the baseline means something
 
 
-def _v(label: str, **kw: Any) -> Variant:
-  return Variant(label, **kw)
-
-
+_v = Variant
 VARIANTS = {
     "per_leaf": _v("per-leaf pmean", kind="per_leaf", compared=False),
     "ravel": _v("ravel_pytree", kind="ravel"),
@@ -145,8 +134,6 @@ GOALS = {("mlp_40x256", "allreduce"): 1.0, ("mlp_40x256", "optax_chain"): 1.0,
             for k, g in (("packed", 1.3), ("sharded", 1.5), ("hand_pmean", 1.0))},
          **{("gpt2_12x64", f"sharded_{o}"): 1.2 for o in ("adamw_mask", "lamb", "muon")}}
 
-# -- models --------------------------------------------------------------------------------
-
 
 def mlp(depth: int, width: int, seed: int = 0) -> Model:
   """``depth`` layers of ``tanh((h @ w + b) * scale + shift)``: 4 leaves per layer."""
@@ -161,16 +148,13 @@ def mlp(depth: int, width: int, seed: int = 0) -> Model:
       x = jnp.tanh((x @ layer["w"] + layer["b"]) * layer["scale"] + layer["shift"])
     return jnp.mean((x - y) ** 2)
 
-  def batch(n):
-    r = np.random.default_rng(seed + 1)
-    return tuple(r.standard_normal((n, width)).astype(np.float32) for _ in range(2))
-
+  batch, _ = models._data(lambda n: (jax.ShapeDtypeStruct((n, width), np.float32),) * 2,
+                          seed + 1)
   return Model(f"mlp_{depth}x{width}", f"MLP {depth}x{width}", {"layers": layers}, loss, batch)
 
 
 def shape_table(name: str, seed: int = 0) -> Model:
-  """A workload's parameter table with a loss that touches every parameter once, so the
-  step is what jpack changes: communication and the update over the real leaf sizes."""
+  """A workload's parameter table with a loss touching every parameter once."""
   rng = np.random.default_rng(seed)
   params = {k: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype)
             for k, s in h.load_workload(name).shapes.items()}
@@ -184,9 +168,7 @@ def shape_table(name: str, seed: int = 0) -> Model:
                    np.float32))
 
 
-# The real architectures with their real leaf counts, narrowed to what 8 simulated CPU
-# devices time in seconds (GPT-2 small's 148 leaves, ViT-B/16's 152, ResNet-18's 62 with
-# 40 BatchNorm statistics as model state); the tiny ones are smoke tests.
+# Real architectures with their real leaf counts, narrowed; the tiny ones are smoke tests.
 MODELS: dict[str, Callable[[], Model]] = {
     "gpt2_12x64": lambda: models.gpt2(layers=12, width=64, vocab=1024, positions=32,
                                       heads=4, seq=16, name="gpt2_12x64"),
@@ -211,8 +193,7 @@ MODELS: dict[str, Callable[[], Model]] = {
 }
 DEFAULT_MODELS = ("gpt2_12x64", "vit_12x64", "resnet18_narrow", "mlp_40x256", "mlp_24x1024")
 REAL_MODEL_BATCH, PER_DEVICE_BATCH = 4, 16  # rows per device
-# What runs by default on the real architectures (each variant a compile of a 12-block
-# model), and on big models, whose replicated states all stay alive while timed.
+# The default variants of the real architectures and of big models.
 REAL_MODEL_VARIANTS = ("per_leaf", "jit", "jit_zero1", "hand_pmean", "packed", "sharded")
 MODEL_VARIANTS = {"gpt2_12x64": REAL_MODEL_VARIANTS + OPTIMIZER_VARIANTS,
                   "vit_12x64": REAL_MODEL_VARIANTS, "resnet18_narrow": REAL_MODEL_VARIANTS}
@@ -220,21 +201,17 @@ BIG_MODEL_VARIANTS = ("per_leaf", "jit", "jit_zero1", "allreduce", "packed", "sh
                       "sharded_bf16", "grad_only")
 BIG_MODEL_PARAMS = 10_000_000
 
-# -- building the steps ---------------------------------------------------------------------
-
 
 @dataclasses.dataclass
 class Built:
-  """A variant's `jpack.DataParallel` (or one with its functions), and how many calls
-  of its step make one measured step, each on that share of every device's rows."""
+  """A variant's `jpack.DataParallel`, and how many calls of its step make one step."""
   dp: Any
   calls: int = 1
   jit_mesh: bool = False  # runs on the mesh of Auto axes (`auto`)
 
 
 def auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-  """``mesh`` with Auto axes, as a plain jit user has it: XLA chooses the shardings
-  inside the step (under Explicit axes an embedding lookup's would need spelling out)."""
+  """``mesh`` with Auto axes, as a plain jit user has it."""
   return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                            axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
@@ -248,8 +225,7 @@ def optimizer(v: Variant, params: Any, lr: float = LEARNING_RATE) -> Any:
 
 
 def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Any:
-  """The compute every step shares: per-device loss and gradients (with a ``layout``,
-  of params kept packed, the loss unpacking them), no collective, no update."""
+  """Per-device loss and gradients (of packed params with a ``layout``), nothing else."""
   to_tree = (lambda p: p) if layout is None else jpack.unpack
 
   def local_step(state, batch):
@@ -276,11 +252,8 @@ def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Any:
 
 
 def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
-  """ZeRO-1 with plain jax + optax, an independent reference for jpack's sharded mode:
-  f32 buckets of <= ``bucket_bytes`` filled from the last leaf, each padded to a
-  multiple of the devices; the loss unpacks them through a custom VJP whose backward is
-  one concatenate; gradients psum_scatter-ed per bucket, adam on this device's slice,
-  the new slices all_gather-ed."""
+  """ZeRO-1 in plain jax + optax: f32 buckets filled from the last leaf, padded to a
+  multiple of the devices, unpacked by a custom VJP; psum_scatter, adam, all_gather."""
   n = mesh.shape[AXIS]
   leaves, treedef = jax.tree.flatten(model.params)
   shapes, sizes = [np.shape(x) for x in leaves], [int(np.size(x)) for x in leaves]
@@ -384,17 +357,10 @@ BUILDERS: dict[str, Callable[..., Built]] = {
 }
 
 
-def build(v: Variant, model: Model, mesh, bucket_bytes: int | None = None) -> Built:
-  """Variant ``v``'s step on ``mesh``. ``bucket_bytes`` plans the buckets of the steps
-  written here that plan their own (hand pmean, packed grads only); data_parallel's are
-  the platform's (`jpack.step_options`)."""
-  n = mesh.shape[AXIS]
-  layout = jpack.plan(model.params, num_shards=n, **(
-      {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+def build(v: Variant, model: Model, mesh) -> Built:
+  """Variant ``v``'s step on ``mesh``."""
+  layout = jpack.plan(model.params, num_shards=mesh.shape[AXIS])
   return BUILDERS[v.kind](v, model, mesh, optimizer(v, model.params), layout)
-
-
-# -- measuring -------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -420,8 +386,7 @@ class Saves:
 
 
 def micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
-  """``batch`` as ``k`` batches placed like it, the j-th holding micro-batch j of every
-  device's rows: the split ``data_parallel(accumulate=k)`` makes on each device."""
+  """``batch`` split into ``k`` as ``data_parallel(accumulate=k)`` splits each device's."""
   if k == 1:
     return [batch]
 
@@ -432,9 +397,8 @@ def micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
   return [jax.tree.map(lambda x: part(x, j), batch) for j in range(k)]
 
 
-def prepare(key: str, model: Model, mesh, batch: Any, bucket_bytes: int | None,
-            directory: pathlib.Path) -> Prepared:
-  built = build(VARIANTS[key], model, mesh, bucket_bytes)
+def prepare(key: str, model: Model, mesh, batch: Any, directory: pathlib.Path) -> Prepared:
+  built = build(VARIANTS[key], model, mesh)
   if built.jit_mesh:
     batch = jax.device_put(batch, NamedSharding(auto(mesh), P(AXIS)))
   batches = micro_batches(batch, built.calls, mesh.shape[AXIS])
@@ -454,8 +418,7 @@ def prepare(key: str, model: Model, mesh, batch: Any, bucket_bytes: int | None,
 
 
 def run_block(p: Prepared, steps: int) -> Any:
-  """``steps`` steps of ``p``; a checkpoint row saves as `ckpt.run_steps` does and
-  waits for its write at the end, inside the block's time."""
+  """``steps`` steps of ``p``; a checkpoint row waits for its write inside the time."""
   if p.saves is None:
     for _ in range(steps):
       for b in p.batches:
@@ -487,17 +450,16 @@ class Result:
   saves: Saves | None = None
 
 
-def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, rounds: int,
-            bucket_bytes: int | None) -> dict[str, Result | str]:
-  """Compile every variant, then time them in interleaved rounds (`h.time_rounds`). A
-  jpack variant that data_parallel refuses (a TypeError: an optimizer that needs whole
-  leaves in ZeRO-1) is the refusal's message instead of a `Result`."""
+def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, rounds: int
+            ) -> dict[str, Result | str]:
+  """Compile every variant, then time them in interleaved rounds; a jpack variant that
+  data_parallel refuses (TypeError) is the refusal's message instead of a `Result`."""
   with tempfile.TemporaryDirectory(prefix="jpack-step-bench-") as tmp:
     prepared: dict[str, Prepared | str] = {}
     for key in keys:
       print(f"   {VARIANTS[key].label} ...", end="", flush=True)
       try:
-        prepared[key] = p = prepare(key, model, mesh, batch, bucket_bytes, pathlib.Path(tmp))
+        prepared[key] = p = prepare(key, model, mesh, batch, pathlib.Path(tmp))
       except TypeError as e:
         if VARIANTS[key].kind != "jpack":
           raise
@@ -528,18 +490,8 @@ def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, roun
     return out
 
 
-def gap_closed(t_per_leaf: float | None, t_variant: float, t_floor: float | None
-               ) -> float | None:
-  """The share of per-leaf's time above the floor that the variant removes: 1 at the
-  floor, 0 at per-leaf's time, negative when slower than per-leaf."""
-  if t_per_leaf is None or t_floor is None or t_per_leaf <= t_floor:
-    return None
-  return (t_per_leaf - t_variant) / (t_per_leaf - t_floor)
-
-
 def _saving_values(r: Result, plain: Result | None) -> dict[str, Any]:
-  """A checkpoint row's figures: its step time over the same mode's without saves, the
-  median over rounds of the ratio in the same round (None for the other rows)."""
+  """A checkpoint row's figures (None for the other rows)."""
   if r.saves is None:
     return {"vs_no_saves": None, "save_call_s": None, "save_wait_s": None,
             "saves": 0, "checkpoint_bytes": None, "no_saves_key": None}
@@ -576,8 +528,8 @@ def table(model: Model, results: dict[str, Result | str], devices: int) -> h.Tab
     ratios = [a / b for a, b in zip(base.block_s, r.block_s)] if base and len(
         base.block_s) == len(r.block_s) else None
     vs_multi = h.ratio(multi.step_s, r.step_s) if multi and key in ACCUMULATING else None
-    closed = None if v.saves else gap_closed(base and base.step_s, r.step_s,
-                                             floor and floor.step_s)
+    closed = (None if v.saves or not (base and floor) or base.step_s <= floor.step_s
+              else (base.step_s - r.step_s) / (base.step_s - floor.step_s))
     saving = _saving_values(r, timed.get(v.mode) if v.saves else None)
     diff = h.max_diff(r.params, base.params) if v.compared and base else None
     diff_multi = (h.max_diff(r.params, multi.params)
@@ -610,8 +562,7 @@ def table(model: Model, results: dict[str, Result | str], devices: int) -> h.Tab
 
 
 def chosen(name: str, model: Model, variants: list[str] | None) -> list[str]:
-  """The variants to run on ``name``: those asked for, or its defaults; never those
-  that cannot carry its model state."""
+  """The variants asked for, or ``name``'s defaults; none that drop its model state."""
   if variants is not None:
     keys = variants
   elif name in MODEL_VARIANTS:
@@ -635,8 +586,7 @@ def check(opts: Any) -> str | None:
 
 
 def with_saving(keys: list[str], steps: int) -> tuple[list[str], int]:
-  """With checkpoint rows: each one's mode without saves added to compare with, and
-  steps per round rounded up to whole save intervals."""
+  """Checkpoint rows' modes without saves added; steps rounded up to save intervals."""
   out: list[str] = []
   for k in keys:
     plain = VARIANTS[k].mode if VARIANTS[k].saves else None
@@ -652,18 +602,11 @@ def with_saving(keys: list[str], steps: int) -> tuple[list[str], int]:
   return out, steps
 
 
-NOTES = (
-    "speed-up = baseline step time / variant step time (same run); spread = the lowest and "
-    "highest of the round-by-round speed-ups. gap closed = (per-leaf - variant) / (per-leaf "
-    "- grads only). Collectives: AR all-reduce, RS reduce-scatter, AG all-gather, A2A "
-    "all-to-all in the compiled step, bytes = their results; ops in a loop body run once per "
-    "iteration; \"xK calls\": one step calls the compiled program K times. The optimizer "
-    "rows compare with per-leaf optax with the same optimizer; refused = data_parallel "
-    "raised a TypeError. bf16 params: f32 masters in the optimizer state. params+opt/dev "
-    "in units of Ψ, the parameter count. Checkpoint rows save every 10 steps "
-    "asynchronously, waiting for the write at the end of each round; vs no saves = their "
-    "time over the same mode's in the same round. Accumulation: vs MultiSteps = per-leaf "
-    "+ optax.MultiSteps time / variant time.")
+NOTES = ("speed-up, spread, collectives, max |Δp|: docs/performance.md#training-step. gap "
+         "closed = (per-leaf - variant) / (per-leaf - grads only); vs MultiSteps = per-leaf + "
+         "optax.MultiSteps time / variant time; vs no saves = a checkpoint row's time over the "
+         "same mode's, same round; \"xK calls\": one step calls the program K times; refused = "
+         "data_parallel raised a TypeError; params+opt/dev in Ψ, the parameter count.")
 
 
 def run(opts: Any, report: h.Report) -> None:
@@ -680,8 +623,7 @@ def run(opts: Any, report: h.Report) -> None:
     print(f"\n-- {model.describe}: {model.num_leaves} leaves, {model.num_params / 1e6:.2f} M "
           f"params; global batch {batch_rows * opts.devices}; {opts.rounds} x {steps} steps",
           flush=True)
-    results = measure(model, run_keys, mesh, batch, steps=steps, rounds=opts.rounds,
-                      bucket_bytes=opts.bucket_bytes)
+    results = measure(model, run_keys, mesh, batch, steps=steps, rounds=opts.rounds)
     report.table(table(model, results, opts.devices))
     del model, results
     h.release_host_memory()

@@ -124,55 +124,6 @@ def _step(*rows, model="mlp_40x256"):
           "tables": [{"title": model, "columns": columns, "rows": list(rows)}]}
 
 
-def test_readme_rows_missing_from_the_json_are_left_out():
-  doc = _step(_row("mlp_40x256", "per_leaf", "per-leaf", 0.1),
-              _row("mlp_40x256", "packed", "jpack packed", 0.05))
-  text = render.render_readme({"step": doc})
-  assert 'MLP 40x256, `mode="packed"` | 2.00x' in text
-  assert "sharded" not in text and "jax.jit" not in text
-  assert "Test CPU (4 cores)" in text and "`python -m benchmarks step`" in text
-
-
-def test_readme_compares_with_jit_when_the_json_has_it():
-  doc = _step(_row("mlp_40x256", "per_leaf", "per-leaf", 0.1),
-              _row("mlp_40x256", "jit", "jit", 0.08),
-              _row("mlp_40x256", "jit_zero1", "jit zero1", 0.06),
-              _row("mlp_40x256", "packed", "jpack packed", 0.05),
-              _row("mlp_40x256", "sharded", "jpack sharded", 0.04))
-  lines = render.render_readme({"step": doc}).splitlines()
-  assert "`jax.jit` + `NamedSharding`" in lines[0]
-  packed = next(line for line in lines if 'mode="packed"` |' in line)
-  sharded = next(line for line in lines if 'mode="sharded"' in line)
-  assert "| 2.00x | 1.60x |" in packed     # vs per-leaf, vs jit
-  assert "| 2.50x | 1.50x |" in sharded    # vs per-leaf, vs jit with sharded state
-
-
-def test_readme_adds_one_row_of_a_model_of_few_large_leaves():
-  doc = _step(_row("mlp_40x256", "per_leaf", "per-leaf", 0.1),
-              _row("mlp_40x256", "packed", "jpack packed", 0.05))
-  other = _step(_row("resnet18_narrow", "per_leaf", "per-leaf", 0.5, compile_s="3.00"),
-                _row("resnet18_narrow", "packed", "jpack packed", 0.5, compile_s="4.00"),
-                model="resnet18_narrow")
-  doc["tables"] += other["tables"]
-  text = render.render_readme({"step": doc})
-  assert 'ResNet-18-like, `mode="packed"` | 1.00x | 4.00 (3.00) |' in text
-
-
-def test_readme_leads_with_the_transformer_and_shows_the_spread():
-  doc = _step(_row("mlp_40x256", "per_leaf", "per-leaf", 0.1),
-              _row("mlp_40x256", "packed", "jpack packed", 0.05))
-  gpt = _step(_row("gpt2_12x64", "per_leaf", "per-leaf", 0.2, blocks=[0.2, 0.3, 0.2]),
-              _row("gpt2_12x64", "packed", "jpack packed", 0.1, blocks=[0.1, 0.1, 0.125]),
-              _row("gpt2_12x64", "sharded", "jpack sharded", 0.1),  # no block times
-              model="gpt2_12x64")
-  doc["tables"] = gpt["tables"] + doc["tables"]
-  rows = [line for line in render.render_readme({"step": doc}).splitlines()
-          if line.startswith("| ")][1:]
-  assert rows[0].startswith('| GPT-2-like, `mode="packed"` | 2.00x (1.60–3.00) |'), rows[0]
-  assert rows[1].startswith('| GPT-2-like, `mode="sharded"` (ZeRO-1) | 2.00x |'), rows[1]
-  assert rows[2].startswith('| MLP 40x256, `mode="packed"` | 2.00x |'), rows[2]
-
-
 def test_step_tables_drop_the_benchmarks_targets():
   doc = _step(_row("mlp_40x256", "per_leaf", "per-leaf", 0.1))
   text = render.render_step({"step": doc})

@@ -323,13 +323,11 @@ def render_gpu_compile(results: Results) -> str:
 def render_multinode(results: Results) -> str:
   """Each model's steps compiled for 8 nodes x 8 H100s."""
   doc = results.get("multinode")
-  tables = _tables(doc, "variant", "cross-node MiB")
-  if not tables:
-    return _missing("multinode")
-  m = doc.get("machine", {})
-  return "\n\n".join([x for t in tables for x in (f"**{t['title']}**", _select(t))] + [
-      f"Compiled for 64 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
-      f"{m.get('cpu', 'unknown CPU')}; {_versions(m)}. {_commands(doc)}."])
+  parts = [x for t in _tables(doc, "cross-node MiB") for x in (f"**{t['title']}**", _select(t))]
+  m = (doc or {}).get("machine", {})
+  return "\n\n".join(parts + [f"Compiled for 64 NVIDIA H100 SXM (simulated) on {m.get('cpu')}; "
+                               f"{_versions(m)}. {_commands(doc)}."]) if parts else _missing(
+                                   "multinode")
 
 
 RENDERERS: dict[str, Callable[[Results], str]] = {

@@ -122,15 +122,17 @@ def crossing_bytes(hlo_text: str, per_node: int) -> int:
     line = _INDEX_COMMENT_RE.sub("", line)
     m = _OP_RE.search(line)
     groups = replica_groups(line) if m else None
-    if not groups or all(len({d // per_node for d in g}) == 1 for g in groups):
-      continue
-    kind = m.group("type")
-    if m.group("start") and kind.startswith("("):  # (operands, results): the first
-      total += _type_bytes(_SHAPE_RE.search(kind).group(0))
-      continue
-    result, size = _type_bytes(kind), len(groups[0])
-    total += {"reduce-scatter": result * size,
-              "all-gather": result // size}.get(m.group("op"), result)
+    if groups is None or (groups and all(len({d // per_node for d in g}) == 1
+                                         for g in groups)):
+      continue  # no collective, or every group within a node ({}: all devices)
+    op, size = m.group("op"), len(groups[0]) if groups else 0
+    typed = _type_bytes(m.group("type"))
+    if op == "all-gather":  # an async start's type holds the operands and the results
+      total += typed // (size + 1) if m.group("start") else typed // max(size, 1)
+    elif op == "reduce-scatter":
+      total += typed * size
+    else:  # all-reduce (its start's type: the results), all-to-all
+      total += typed
   return total
 
 

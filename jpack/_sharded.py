@@ -71,60 +71,37 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
             plan_options: Mapping[str, Any] | None = None) -> optax.GradientTransformation:
   """ZeRO-1: run ``inner`` on this device's 1/N slice of every gradient bucket.
 
-  Use inside `jax.shard_map` / `jax.pmap` over ``axis_name``, on per-device (not yet
-  averaged) gradients: do not put `allreduce` before it. ``update`` takes a tree, a
-  `jpack.Packed`, or already reduced `jpack.Shards` (skips the reduce-scatter), and
-  returns updates of the same kind (`Shards` in -> full `Packed` out). If ``params`` are
-  `Shards` (this device's slices, from `jpack.shard`), the updates come back as `Shards`
-  without the all-gather: apply them to the slices and `jpack.all_gather` the new
-  params, which saves one full-size pass per step (what
-  ``jpack.data_parallel(mode="sharded")`` does)::
+  Use inside `jax.shard_map` / `jax.pmap` on per-device (not yet averaged) gradients.
+  ``update`` takes a tree, a `jpack.Packed` or reduced `jpack.Shards`, and returns the
+  same kind. With `Shards` params (`jpack.shard`), the updates are `Shards` too: apply
+  them to the slices and `jpack.all_gather` the new params (one pass fewer)::
 
     local = jpack.shard(params, "batch")                 # params: a jpack.Packed
     updates, opt_state = tx.update(grads, opt_state, local)
     params = jpack.all_gather(optax.apply_updates(local, updates), "batch")
 
-  The reduced gradients are computed after every bucket and after ``value`` (the loss,
-  if given), so XLA need not copy donated parameters to protect the backward pass.
+  Global-norm clipping, trust ratios and masks static per leaf are computed on the
+  slices (one small psum); what reads leaves' shapes (adafactor, muon, sm3) runs on
+  each device's own whole leaves, in a layout ``init`` plans and logs; what needs more
+  (``apply_if_finite``) is refused (docs/zero.md).
 
   Args:
-    inner: an optax transformation, or a `jpack.optax.partition` of several (each label
-      gets its own buckets). Elementwise ones (sgd, momentum, adam, adamw, lion, chains with
-      schedules) run on the slices. ``optax.clip_by_global_norm``, a trust ratio (lamb's)
-      and a mask that is static per leaf (``adamw(mask=...)``) are computed on the slices
-      with one small psum of their sums of squares.
-      The other parts that need whole leaves (adafactor, muon, sm3) run on each
-      device's own whole leaves, with their state for those leaves only: ``init`` then
-      plans a layout whose shards hold whole leaves (each padded to the fullest), and
-      logs it once (INFO, ``"jpack"`` logger).
-      ``init`` reads which from a table (one of your own is probed on a miniature of the
-      params, on two simulated devices that own whole leaves). What needs more than a
-      device's own leaves (``apply_if_finite``) is refused with a `TypeError`; `jpack.optax.flat`
-      (``data_parallel(mode="packed")``) runs it on all the leaves.
-    axis_name: the data-parallel mesh / pmap axis, or ``(outer, inner)`` for hybrid
-      sharding: slices over ``inner`` (a node's devices), replicated over ``outer``
-      (the nodes), whose all-reduce carries only the slices.
+    inner: an optax transformation, or a `jpack.optax.partition` (buckets per label).
+    axis_name: the data-parallel axis, or ``(outer, inner)``: slices over ``inner`` (a
+      node's devices), replicated over ``outer``, across which only slices travel.
     comm_dtype: wire dtype of the gradient reduce-scatter (see `jpack.psum`).
-    param_dtype: mixed precision, as in `jpack.optax.flat`: the params are kept in this
-      dtype, and the state keeps this device's slices of master copies in the dtype the
-      params had at ``init`` (pass them in full precision), sharded like the moments.
-      Gradients are cast to the masters' dtype before the reduce-scatter (``comm_dtype``
-      can narrow the wire). With `Shards` params, the caller's all-gather of the new
-      params moves ``param_dtype`` bytes: half of float32's for bfloat16.
-    plan_options: keyword arguments for `jpack.plan`, as one dict (``num_shards`` is
-      set to the axis size).
+    param_dtype: as in `jpack.optax.flat`, with the masters sliced like the moments.
+    plan_options: keyword arguments for `jpack.plan`, as one dict (``num_shards``: the
+      axis size).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `ShardedState`; extra
-    update arguments (``value=`` for ``optax.contrib.reduce_on_plateau``) are passed on
-    to ``inner``.
+    update arguments (``value=``) are passed on to ``inner``.
 
   Raises:
-    TypeError: ``inner`` cannot run on slices or on owned leaves (see ``inner``).
-    ValueError: from ``init``, when the params are a `jpack.Packed` or `jpack.Shards`
-      whose layout splits leaves that ``inner`` needs whole; from ``update``, when the
-      updates or params are a `jpack.Packed` or `jpack.Shards` with another layout
-      than ``state.layout``.
+    TypeError: ``inner`` cannot run on slices or on owned leaves.
+    ValueError: packed params whose layout splits leaves ``inner`` needs whole, or
+      updates or params packed with another layout than ``state.layout``.
 
   Examples:
     >>> import optax, jpack

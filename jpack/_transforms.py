@@ -225,32 +225,18 @@ def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
          plan_options: Mapping[str, Any] | None = None) -> optax.GradientTransformation:
   """Run ``inner`` on flat per-dtype buckets instead of on every leaf.
 
-  The per-dtype, no-promotion successor of `optax.flatten`: ``inner`` sees a tuple of
-  1-D bucket arrays (one per bucket, each in its leaves' own dtype), so an elementwise
-  optimizer does a few large ops instead of hundreds of small ones. Updates come back as
-  the original tree with the original dtypes (or as a `jpack.Packed` if they came in
-  packed).
+  The per-dtype, no-promotion successor of `optax.flatten`: an elementwise optimizer
+  does a few large ops instead of hundreds of small ones. Updates come back as the tree
+  (or as a `jpack.Packed` if they came in packed). What needs each leaf (a trust ratio,
+  a ``mask=`` static per leaf) is computed leaf by leaf on the buckets, and what reads
+  leaves' shapes (adafactor, muon, sm3) runs on the tree unpacked from them; ``init``
+  reads which from a table of optax's transformations (yours run on the leaves) and
+  logs it on the ``"jpack"`` logger (docs/zero.md).
 
   Args:
-    inner: the transformation to run on the buckets: elementwise ones (sgd, momentum,
-      adam, adamw, lion, schedules, ...) and those that need only the whole gradient
-      (``clip_by_global_norm``) run there. Any other optax transformation works too, as
-      optax computes it. A trust ratio (lamb's) and a weight-decay ``mask=`` that is
-      static per leaf are computed leaf by leaf on the buckets; anything else that reads
-      each leaf's shape or values (adafactor, muon, sm3) runs on the params tree,
-      unpacked from the buckets, and its updates are packed back. Of an `optax.chain`,
-      only the parts that need the leaves run on them (adam's moments stay on buckets).
-      ``init`` finds out which from a table of optax's transformations (one of your own
-      runs on the leaves), and logs it once on the
-      ``"jpack"`` logger (INFO). A `jpack.optax.partition` gives each label its own
-      buckets, updated by that label's transformation.
-    param_dtype: mixed precision (see `jpack.cast_params` for the forms it takes): the
-      params are kept in this dtype (``jnp.bfloat16``), and the state keeps master
-      copies in the dtype the params had at ``init`` (pass them in full precision).
-      ``inner`` updates the masters with the gradients cast to their dtype, and the
-      updates take the params to the new masters rounded to ``param_dtype``
-      (``optax.apply_updates(params, updates) == jpack.cast_params(masters,
-      param_dtype)``). Start from ``params = jpack.cast_params(full, param_dtype)``.
+    inner: an optax transformation, or a `jpack.optax.partition` (buckets per label).
+    param_dtype: keep the params in this dtype and f32 master copies in the state
+      (``jpack.cast_params(masters, param_dtype)`` after each update; docs/recipes.md).
     plan_options: keyword arguments for `jpack.plan`, as one dict.
 
   Returns:
@@ -258,28 +244,14 @@ def flat(inner: optax.GradientTransformation, *, param_dtype: ParamDtype = None,
     arguments (``value=`` for ``optax.polyak_sgd``) are passed on to ``inner``.
 
   Raises:
-    TypeError: from ``init``, when ``inner`` cannot run here at all (a collective over
-      a mesh axis: the gradients are reduced already) or raises on the params (a line
-      search without its ``value_fn=``); from ``update``, when ``inner`` raises there.
-      The message names the transformation, and what to use where optax itself cannot
-      run on the params (sm3 on a scalar leaf).
-    ValueError: from ``update``, when the updates or params are a `jpack.Packed` with
-      another layout than the one the state was initialised with (``state.layout``).
+    TypeError: ``inner`` cannot run here (a collective: the gradients are reduced
+      already) or raises on the params; the message names it and the fix.
+    ValueError: updates or params packed with another layout than ``state.layout``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jpack
-    >>> params = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
-    >>> tx = jpack.optax.flat(optax.adam(0.1))
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(params, state, params)
-    >>> updates["w"].shape
-    (2, 2)
-
-    GPT-2's recipe, weight decay on matrices only: adam runs on the buckets, and the
-    mask is spread over each leaf's range of them.
-
     >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
-    >>> decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    >>> decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # GPT-2's recipe
     >>> tx = jpack.optax.flat(optax.adamw(0.1, weight_decay=0.1, mask=decay))
     >>> zero = jax.tree.map(jnp.zeros_like, params)  # no gradient: only the decay moves
     >>> updates, state = tx.update(zero, tx.init(params), params)

@@ -257,14 +257,11 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
   n = mesh.shape[AXIS]
   leaves, treedef = jax.tree.flatten(model.params)
   shapes, sizes = [np.shape(x) for x in leaves], [int(np.size(x)) for x in leaves]
-  groups, current, nbytes = [], [], 0
+  groups = [[]]
   for i in reversed(range(len(sizes))):
-    if current and nbytes + 4 * sizes[i] > bucket_bytes:
-      groups.append(current)
-      current, nbytes = [], 0
-    current.append(i)
-    nbytes += 4 * sizes[i]
-  groups.append(current)
+    if groups[-1] and 4 * (sum(sizes[j] for j in groups[-1]) + sizes[i]) > bucket_bytes:
+      groups.append([])
+    groups[-1].append(i)
   lengths = [-(-sum(sizes[i] for i in g) // n) * n for g in groups]
 
   def pack(ls):
@@ -276,10 +273,9 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
   def unpack(buckets):
     ls = [None] * len(leaves)
     for g, b in zip(groups, buckets):
-      offset = 0
-      for i in g:
+      offsets = np.cumsum([0] + [sizes[i] for i in g])
+      for i, offset in zip(g, offsets):
         ls[i] = jax.lax.slice(b, (offset,), (offset + sizes[i],)).reshape(shapes[i])
-        offset += sizes[i]
     return ls
 
   unpack.defvjp(lambda b: (unpack(b), None), lambda _, ct: (pack(ct),))
@@ -304,11 +300,10 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
     new = [jax.lax.all_gather(x, AXIS, tiled=True) for x in optax.apply_updates(mine, updates)]
     return state._replace(params=new, opt_state=opt_state), {"loss": jax.lax.pmean(value, AXIS)}
 
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), model.params)
-  shapes_ = jax.eval_shape(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P(),
-                                         check_vma=False), like)
-  specs = jax.tree.map(lambda x: P(AXIS) if x.ndim else P(), shapes_)._replace(
-      params=jax.tree.map(lambda _: P(), shapes_.params))
+  # Params whole on every device; the moments split over the axis, adam's count whole.
+  opt = jax.eval_shape(tx.init, [jax.ShapeDtypeStruct((k,), jnp.float32) for k in lengths])
+  specs = jpack.TrainState([P()] * len(groups), jax.tree.map(
+      lambda x: P(AXIS) if x.ndim else P(), opt), P())
   smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
   init = jax.jit(smap(local_init, in_specs=P(), out_specs=specs))
   step = jax.jit(smap(local_step, in_specs=(specs, P(AXIS)), out_specs=(specs, {"loss": P()})),

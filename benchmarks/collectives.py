@@ -177,9 +177,8 @@ def run(opts: Any, report: h.Report) -> None:
         if workloads[name].num_leaves >= 1000:
           checks.append(("compile <= per-leaf (>= 1000 leaves)", c_vs, 1.0))
         for text, v, limit in checks:
-          ok = None if v is None else v <= limit
-          goals.add(text, label(name), VARIANTS[key], h.fmt_ratio(v), h.fmt_ratio(limit),
-                    h.verdict(ok), workload=name, key=key, value=v, limit=limit, ok=ok)
+          h.add_goal(goals, text, label(name), VARIANTS[key], value=v, limit=limit,
+                     workload=name, key=key)
     layout = layouts[name]
     native = sum(b.nbytes for b in layout.buckets)
     bf16 = sum(b.nbytes // 2 if b.dtype == np.float32 else b.nbytes for b in layout.buckets)

@@ -327,6 +327,16 @@ def verdict(ok: bool | None) -> str:
   return "SKIP" if ok is None else ("PASS" if ok else "MISS")
 
 
+def add_goal(table: Table, text: str, *cells: Any, value: float | None, limit: float,
+             shown: str | None = None, fmt: Callable[[float], str] = fmt_ratio,
+             strict: bool = False, skip: bool = False, **values: Any) -> None:
+  """A row of a Goals table: ``text``, ``cells``, the value, the limit (``shown``, else
+  ``fmt(limit)``), met if ``value <= limit`` (``<`` if ``strict``); SKIP without a value."""
+  ok = None if value is None or skip else (value < limit if strict else value <= limit)
+  table.add(text, *cells, "-" if value is None else fmt(value), shown or fmt(limit),
+            verdict(ok), **values, value=value, limit=limit, ok=ok)
+
+
 def machine_info() -> dict[str, Any]:
   """CPU model and cores, library versions, and the devices JAX runs on."""
   cpu = platform.processor() or platform.machine()

@@ -52,7 +52,7 @@ OPTIMIZERS: dict[str, Callable[[float], Any]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One step: how it is built (``kind``, a key of `BUILDERS`), optimizer and options."""
+  """One step: how `build` makes it (``kind``), optimizer and options."""
   label: str
   kind: str = "jpack"           # "jpack": jpack.data_parallel(mode=mode, ...)
   mode: str = ""
@@ -257,14 +257,11 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
   n = mesh.shape[AXIS]
   leaves, treedef = jax.tree.flatten(model.params)
   shapes, sizes = [np.shape(x) for x in leaves], [int(np.size(x)) for x in leaves]
-  groups, current, nbytes = [], [], 0
+  groups = [[]]
   for i in reversed(range(len(sizes))):
-    if current and nbytes + 4 * sizes[i] > bucket_bytes:
-      groups.append(current)
-      current, nbytes = [], 0
-    current.append(i)
-    nbytes += 4 * sizes[i]
-  groups.append(current)
+    if groups[-1] and 4 * (sum(sizes[j] for j in groups[-1]) + sizes[i]) > bucket_bytes:
+      groups.append([])
+    groups[-1].append(i)
   lengths = [-(-sum(sizes[i] for i in g) // n) * n for g in groups]
 
   def pack(ls):
@@ -276,10 +273,9 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
   def unpack(buckets):
     ls = [None] * len(leaves)
     for g, b in zip(groups, buckets):
-      offset = 0
-      for i in g:
+      offsets = np.cumsum([0] + [sizes[i] for i in g])
+      for i, offset in zip(g, offsets):
         ls[i] = jax.lax.slice(b, (offset,), (offset + sizes[i],)).reshape(shapes[i])
-        offset += sizes[i]
     return ls
 
   unpack.defvjp(lambda b: (unpack(b), None), lambda _, ct: (pack(ct),))
@@ -304,11 +300,10 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
     new = [jax.lax.all_gather(x, AXIS, tiled=True) for x in optax.apply_updates(mine, updates)]
     return state._replace(params=new, opt_state=opt_state), {"loss": jax.lax.pmean(value, AXIS)}
 
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), model.params)
-  shapes_ = jax.eval_shape(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P(),
-                                         check_vma=False), like)
-  specs = jax.tree.map(lambda x: P(AXIS) if x.ndim else P(), shapes_)._replace(
-      params=jax.tree.map(lambda _: P(), shapes_.params))
+  # Params whole on every device; the moments split over the axis, adam's count whole.
+  opt = jax.eval_shape(tx.init, [jax.ShapeDtypeStruct((k,), jnp.float32) for k in lengths])
+  specs = jpack.TrainState([P()] * len(groups), jax.tree.map(
+      lambda x: P(AXIS) if x.ndim else P(), opt), P())
   smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
   init = jax.jit(smap(local_init, in_specs=P(), out_specs=specs))
   step = jax.jit(smap(local_step, in_specs=(specs, P(AXIS)), out_specs=(specs, {"loss": P()})),
@@ -323,44 +318,38 @@ def _ravel_pmean(grads: Any) -> Any:
   return unravel(jax.lax.pmean(flat, AXIS))
 
 
-BUILDERS: dict[str, Callable[..., Built]] = {
-    "jpack": lambda v, m, mesh, tx, layout: Built(jpack.data_parallel(
-        m.loss, tx, m.params, mesh,
+def build(v: Variant, model: Model, mesh) -> Built:
+  """Variant ``v``'s step on ``mesh``: by jpack, by `jax.jit`, by hand, or a per-leaf step."""
+  layout = jpack.plan(model.params, num_shards=mesh.shape[AXIS])
+  tx, loss, params = optimizer(v, model.params), model.loss, model.params
+  if v.kind == "jpack":
+    return Built(jpack.data_parallel(
+        loss, tx, params, mesh, accumulate=v.accumulate,
         mode=jpack.Mode(v.mode, shard_accumulator=v.shard_accumulator,
                         keep_gathered=v.keep_gathered),
-        precision=jpack.Precision(param_dtype=v.param_dtype, comm_dtype=v.comm_dtype),
-        accumulate=v.accumulate)),
-    "per_leaf": lambda v, m, mesh, tx, layout: Built(_reference.per_leaf_step(
-        m.loss, tx, m.params, mesh, param_dtype=v.param_dtype)),
-    "ravel": lambda v, m, mesh, tx, layout: Built(_reference.per_leaf_step(
-        m.loss, tx, m.params, mesh, reduce=_ravel_pmean)),
-    "flatten": lambda v, m, mesh, tx, layout: Built(_reference.per_leaf_step(
-        m.loss, optax.flatten(tx), m.params, mesh)),
-    "hand_pmean": lambda v, m, mesh, tx, layout: Built(_reference.per_leaf_step(
-        m.loss, tx, m.params, mesh, reduce=lambda g: jpack.pmean(g, AXIS, layout=layout))),
-    "optax_chain": lambda v, m, mesh, tx, layout: Built(_reference.per_leaf_step(
-        m.loss, optax.chain(jpack.optax.allreduce(AXIS, grad_norm=True), tx), m.params,
-        mesh, reduce=lambda g: g, norm=lambda s: s[0].grad_norm)),
-    # optax.MultiSteps as users write it: the per-leaf step called k times per step.
-    "multisteps": lambda v, m, mesh, tx, layout: Built(_reference.per_leaf_step(
-        m.loss, optax.MultiSteps(tx, every_k_schedule=v.accumulate).gradient_transformation(),
-        m.params, mesh), calls=v.accumulate),
-    "jit": lambda v, m, mesh, tx, layout: Built(_reference.jit_step(
-        m.loss, tx, m.params, auto(mesh), param_dtype=v.param_dtype), jit_mesh=True),
-    "jit_zero1": lambda v, m, mesh, tx, layout: Built(_reference.jit_step(
-        m.loss, tx, m.params, auto(mesh), shard_state=True), jit_mesh=True),
-    "jit_fsdp": lambda v, m, mesh, tx, layout: Built(_reference.jit_step(
-        m.loss, tx, m.params, auto(mesh), shard_state=True, shard_params=True), jit_mesh=True),
-    "hand_zero1": lambda v, m, mesh, tx, layout: Built(_hand_zero1(m, mesh)),
-    "grad_only": lambda v, m, mesh, tx, layout: Built(_grads_only(m, mesh)),
-    "packed_grad_only": lambda v, m, mesh, tx, layout: Built(_grads_only(m, mesh, layout)),
-}
-
-
-def build(v: Variant, model: Model, mesh) -> Built:
-  """Variant ``v``'s step on ``mesh``."""
-  layout = jpack.plan(model.params, num_shards=mesh.shape[AXIS])
-  return BUILDERS[v.kind](v, model, mesh, optimizer(v, model.params), layout)
+        precision=jpack.Precision(param_dtype=v.param_dtype, comm_dtype=v.comm_dtype)))
+  if v.kind in ("jit", "jit_zero1", "jit_fsdp"):
+    return Built(_reference.jit_step(loss, tx, params, auto(mesh), param_dtype=v.param_dtype,
+                                     shard_state=v.kind != "jit",
+                                     shard_params=v.kind == "jit_fsdp"), jit_mesh=True)
+  if v.kind == "hand_zero1":
+    return Built(_hand_zero1(model, mesh))
+  if v.kind in ("grad_only", "packed_grad_only"):
+    return Built(_grads_only(model, mesh, layout if v.kind == "packed_grad_only" else None))
+  # The per-leaf steps: the optimizer (optax.MultiSteps as users write it: the step called
+  # k times per step) and how the gradients are reduced.
+  per_leaf = {
+      "per_leaf": lambda: (tx, dict(param_dtype=v.param_dtype)),
+      "ravel": lambda: (tx, dict(reduce=_ravel_pmean)),
+      "flatten": lambda: (optax.flatten(tx), {}),
+      "hand_pmean": lambda: (tx, dict(reduce=lambda g: jpack.pmean(g, AXIS, layout=layout))),
+      "optax_chain": lambda: (optax.chain(jpack.optax.allreduce(AXIS, grad_norm=True), tx),
+                              dict(reduce=lambda g: g, norm=lambda s: s[0].grad_norm)),
+      "multisteps": lambda: (optax.MultiSteps(
+          tx, every_k_schedule=v.accumulate).gradient_transformation(), {})}
+  tx, options = per_leaf[v.kind]()
+  return Built(_reference.per_leaf_step(loss, tx, params, mesh, **options),
+               calls=v.accumulate if v.kind == "multisteps" else 1)
 
 
 @dataclasses.dataclass

@@ -76,7 +76,8 @@ def count_collectives(hlo_text: str) -> Collectives:
 
 
 _GROUPS_RE = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[\d+,\d+\]<=\[[\d,]+\]"
-                        r"(?:T\([\d,]+\))?)")
+                        r"(?:T\([\d,]+\))?|mesh\[[^\]]*\](?:, device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))?"
+                        r" \{[^}]*\})")
 
 
 def replica_groups(text: str) -> list[list[int]] | None:
@@ -87,6 +88,21 @@ def replica_groups(text: str) -> list[list[int]] | None:
   if not m:
     return None
   spec = m.group(1)
+  if spec.startswith("mesh"):  # mesh['a'=8,'b'=8], device_ids=(...) {'b'}: along 'b'
+    sizes = [(name, int(n)) for name, n in re.findall(r"'(\w+)'=(\d+)", spec)]
+    along = re.findall(r"'(\w+)'", spec[spec.index("{"):])
+    shape = [n for _, n in sizes]
+    devices = list(range(math.prod(shape)))
+    ids = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", spec)
+    if ids:  # the mesh's positions hold these devices
+      dims = [int(d) for d in ids.group(1).split(",")]
+      perm = [int(d) for d in ids.group(2).split(",")] if ids.group(2) else list(range(len(dims)))
+      devices = _transposed(devices, dims, perm)
+    order = ([i for i, (name, _) in enumerate(sizes) if name not in along]
+             + [i for i, (name, _) in enumerate(sizes) if name in along])
+    size = math.prod(n for name, n in sizes if name in along)
+    flat = [devices[i] for i in _transposed(list(range(len(devices))), shape, order)]
+    return [flat[i:i + size] for i in range(0, len(flat), size)]
   if spec.startswith("{"):
     return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", spec)]
   groups, dims, perm = re.fullmatch(r"\[(\d+,\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
@@ -125,15 +141,27 @@ def crossing_bytes(hlo_text: str, per_node: int) -> int:
     if groups is None or (groups and all(len({d // per_node for d in g}) == 1
                                          for g in groups)):
       continue  # no collective, or every group within a node ({}: all devices)
-    op, size = m.group("op"), len(groups[0]) if groups else 0
-    typed = _type_bytes(m.group("type"))
-    if op == "all-gather":  # an async start's type holds the operands and the results
-      total += typed // (size + 1) if m.group("start") else typed // max(size, 1)
+    op, size, kind = m.group("op"), len(groups[0]) if groups else 0, m.group("type")
+    if m.group("start") and op != "all-reduce":  # (operands, results): the first
+      total += _type_bytes(_first_element(kind))
+    elif op == "all-gather":
+      total += _type_bytes(kind) // max(size, 1)
     elif op == "reduce-scatter":
-      total += typed * size
+      total += _type_bytes(kind) * size
     else:  # all-reduce (its start's type: the results), all-to-all
-      total += typed
+      total += _type_bytes(kind)
   return total
+
+
+def _first_element(tuple_type: str) -> str:
+  """``(A, B)`` -> ``A``, where A may itself be a tuple."""
+  depth = 0
+  for i, ch in enumerate(tuple_type):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if ch == "," and depth == 1:
+      return tuple_type[1:i]
+  return tuple_type
 
 
 def _operands(args: str) -> int:

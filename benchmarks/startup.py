@@ -1,6 +1,6 @@
 """Startup: ``jpack.data_parallel(...)`` and ``dp.init(params)``, before any step
 compiles, per model and mode on 8 CPU devices: "first" with a new optimizer object (the
-check probes it), "again" the same object (its verdict cached).
+check reads it), "again" the same object (its verdict cached).
 """
 
 import dataclasses
@@ -21,8 +21,10 @@ MERGE_KEY = "model"
 WIDTH = 32  # of the MLPs' matrices
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-3), "lamb": lambda: optax.lamb(1e-3),
-    "muon": lambda: optax.contrib.muon(1e-3)}
-MORE_OPTIMIZERS = {"gpt2_12x64": ("lamb", "muon")}  # beside adamw
+    "muon": lambda: optax.contrib.muon(1e-3), "adafactor": lambda: optax.adafactor(1e-3),
+    "clip_adamw_mask": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))}
+MORE_OPTIMIZERS = {"gpt2_12x64": ("lamb", "muon", "adafactor", "clip_adamw_mask")}
 VARIANTS = ("packed", "sharded", "allreduce")  # the modes; allreduce's init: a program per leaf
 DEFAULTS = dict(rounds=3, variants=["packed", "sharded"],
                 models=["mlp_25", "mlp_200", "mlp_1000", "mlp_4000", "gpt2_12x64",
@@ -117,7 +119,7 @@ def run(opts: Any, report: h.Report) -> None:
     h.release_host_memory()
   table = h.Table(["model", "leaves", "mode", "optimizer", "build s", "init s", "first s",
                    "again: build s", "init s ", "again s", "first per leaf ms"],
-                  "build and init (first: the optimizer check probes; again: its verdict "
+                  "build and init (first: the optimizer check reads it; again: its verdict "
                   "cached)")
   for r in results:
     table.add(r.model, r.leaves, r.mode, r.optimizer,

@@ -109,7 +109,8 @@ VARIANTS = {
                              optimizer="adamw_mask", baseline="per_leaf_adamw_mask"),
     "sharded_adamw_labels": _v("jpack sharded, adamw/adam by optax.partition", mode="sharded",
                                optimizer="adamw_labels", baseline="per_leaf_adamw_mask"),
-    **{k: v for o, name in (("lamb", "lamb"), ("muon", "contrib.muon")) for k, v in (
+    **{k: v for o, name in (("lamb", "lamb"), ("muon", "contrib.muon"),
+                            ("adafactor", "adafactor")) for k, v in (
         (f"per_leaf_{o}", _v(f"per-leaf, {name}", kind="per_leaf", optimizer=o,
                              compared=False)),
         (f"packed_{o}", _v(f"jpack packed, {name}", mode="packed", optimizer=o,

@@ -88,45 +88,32 @@ def replica_groups(text: str) -> list[list[int]] | None:
   if not m:
     return None
   spec = m.group(1)
+  if spec.startswith("{"):
+    return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", spec)]
   if spec.startswith("mesh"):  # mesh['a'=8,'b'=8], device_ids=(...) {'b'}: along 'b'
     sizes = [(name, int(n)) for name, n in re.findall(r"'(\w+)'=(\d+)", spec)]
     along = re.findall(r"'(\w+)'", spec[spec.index("{"):])
-    shape = [n for _, n in sizes]
-    devices = list(range(math.prod(shape)))
     ids = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", spec)
-    if ids:  # the mesh's positions hold these devices
-      dims = [int(d) for d in ids.group(1).split(",")]
-      perm = [int(d) for d in ids.group(2).split(",")] if ids.group(2) else list(range(len(dims)))
-      devices = _transposed(devices, dims, perm)
+    # The devices at the mesh's positions: an iota, or the one device_ids gives.
+    devices = _iota(*ids.groups()) if ids else _iota(",".join(str(n) for _, n in sizes))
     order = ([i for i, (name, _) in enumerate(sizes) if name not in along]
              + [i for i, (name, _) in enumerate(sizes) if name in along])
     size = math.prod(n for name, n in sizes if name in along)
-    flat = [devices[i] for i in _transposed(list(range(len(devices))), shape, order)]
-    return [flat[i:i + size] for i in range(0, len(flat), size)]
-  if spec.startswith("{"):
-    return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", spec)]
+    grid = devices.reshape([n for _, n in sizes]).transpose(order)
+    return grid.reshape(-1, size).tolist()
   groups, dims, perm = re.fullmatch(r"\[(\d+,\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
                                     spec).groups()
+  return _iota(dims, perm).reshape([int(d) for d in groups.split(",")]).tolist()
+
+
+def _iota(dims: str, perm: str | None = None) -> Any:
+  """XLA's iota tile assignment ``[dims]T(perm)``: an arange of ``dims``, transposed,
+  flattened."""
+  import numpy as np
+
   shape = [int(d) for d in dims.split(",")]
   order = [int(d) for d in perm.split(",")] if perm else list(range(len(shape)))
-  ids = _transposed(list(range(math.prod(shape))), shape, order)
-  g, size = (int(d) for d in groups.split(","))
-  return [ids[i * size:(i + 1) * size] for i in range(g)]
-
-
-def _transposed(flat: list[int], shape: list[int], order: list[int]) -> list[int]:
-  """``np.arange(...).reshape(shape).transpose(order).ravel()`` without numpy."""
-  out_shape = [shape[o] for o in order]
-  strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-  out = []
-  for index in range(len(flat)):
-    rest, coords = index, []
-    for size in reversed(out_shape):
-      coords.append(rest % size)
-      rest //= size
-    coords.reverse()
-    out.append(flat[sum(c * strides[o] for c, o in zip(coords, order))])
-  return out
+  return np.arange(math.prod(shape)).reshape(shape).transpose(order).ravel()
 
 
 def crossing_bytes(hlo_text: str, per_node: int) -> int:

@@ -1,6 +1,9 @@
-"""The HLO collective counter the benchmarks report with."""
+"""The HLO readers the benchmarks report with."""
 
-from jpack._reference import count_collectives
+import numpy as np
+import pytest
+
+from jpack._reference import count_collectives, replica_groups
 
 
 def test_counts_ops_arrays_and_result_bytes():
@@ -33,3 +36,19 @@ def test_narrow_wire_all_to_all_and_long_tuples():
   c = count_collectives(f"%t = ({types}) all-reduce({args}), to_apply=%add")
   assert c.count["all-reduce"] == 1 and c.arrays == n and c.result_bytes["all-reduce"] == 8 * n
   assert count_collectives("%m = f32[2]{0} multiply(%a, %b)").short() == "-"
+
+
+@pytest.mark.parametrize("text,want", [
+    ("replica_groups={{0,4},{1,5}}", [[0, 4], [1, 5]]),
+    ("replica_groups=[2,4]<=[8]", np.arange(8).reshape(2, 4).tolist()),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", np.arange(8).reshape(2, 4).T.tolist()),
+    ("replica_groups=mesh['a'=2,'b'=4] {'b'}", np.arange(8).reshape(2, 4).tolist()),
+    ("replica_groups=mesh['a'=2,'b'=4] {'a'}", np.arange(8).reshape(2, 4).T.tolist()),
+    # Mesh position p holds device arange(64).reshape(8, 8).T.ravel()[p].
+    ("replica_groups=mesh['a'=8,'b'=1,'c'=8], device_ids=([8,8]T(1,0)) {'c'}",
+     np.arange(64).reshape(8, 8).T.tolist()),
+    ("replica_groups=mesh['a'=8,'b'=8], device_ids=([8,8]T(1,0)) {'a'}",
+     np.arange(64).reshape(8, 8).tolist()),
+])
+def test_replica_groups_in_every_form_xla_prints(text, want):
+  assert replica_groups(text + ", use_global_device_ids=true") == want

@@ -94,20 +94,26 @@ BUCKET_MIN_BYTES = 1024
 GOALS = {"packed": dict(kernels=0.80, hbm=0.60), "sharded": dict(kernels=0.80, hbm=0.85)}
 
 
-def gpu_mesh(n: int = NUM_GPUS) -> jax.sharding.Mesh:
-  """A 1-D mesh over ``n`` simulated H100s (compile only: nothing can run on them)."""
+@functools.cache
+def gpu_devices(topology: str) -> tuple[Any, ...]:
+  """Simulated H100s of a topology such as ``"1x1x8"`` (compile only: nothing can run on
+  them), ordered by process."""
   from jax.experimental import topologies
 
   try:
-    topology = topologies.get_topology_desc("h100", "cuda",
-                                            target_config=TARGET.read_text(),
-                                            topology=f"1x1x{n}")
+    desc = topologies.get_topology_desc("h100", "cuda", target_config=TARGET.read_text(),
+                                        topology=topology)
   except Exception as e:  # noqa: BLE001 (jax raises several kinds when the plugin is absent)
     raise RuntimeError(
         "Compiling for GPUs needs JAX's CUDA plugin at jax's version: pip install "
         "-e '.[gpu-compile]' (or 'jax[cuda12-local]==<jax version>'); JAX_PLATFORMS "
         f"must allow it to load. ({type(e).__name__}: {e})") from e
-  return jax.sharding.Mesh(np.array(topology.devices), (AXIS,),
+  return tuple(sorted(desc.devices, key=lambda d: (d.process_index, d.id)))
+
+
+def gpu_mesh(n: int = NUM_GPUS) -> jax.sharding.Mesh:
+  """A 1-D mesh over ``n`` simulated H100s."""
+  return jax.sharding.Mesh(np.array(gpu_devices(f"1x1x{n}")), (AXIS,),
                            axis_types=(jax.sharding.AxisType.Explicit,))
 
 

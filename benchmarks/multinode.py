@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jpack
 from benchmarks import harness as h
 from benchmarks import models
-from benchmarks.gpu_compile import ROWS, ROWS_PER_DEVICE, TARGET
+from benchmarks.gpu_compile import ROWS, ROWS_PER_DEVICE, gpu_devices
 from jpack import _reference
 
 TITLE = "Data-parallel steps compiled for 64 H100s, 8 nodes x 8 (not run)"
@@ -41,10 +41,7 @@ VARIANTS = {
 
 def compile_step(key: str, model: models.Model) -> jax.stages.Compiled:
   _, mode, two_level, split, _, _ = VARIANTS[key]
-  from jax.experimental import topologies
-  topology = topologies.get_topology_desc("h100", "cuda", target_config=TARGET.read_text(),
-                                          topology=f"{NODES}x1x{PER_NODE}")
-  devices = np.array(sorted(topology.devices, key=lambda d: (d.process_index, d.id)))
+  devices = np.array(gpu_devices(f"{NODES}x1x{PER_NODE}"))
   shape, names = ((NODES, PER_NODE), ("node", "gpu")) if two_level else ((-1,), ("batch",))
   types = (jax.sharding.AxisType.Explicit if mode else jax.sharding.AxisType.Auto,) * len(names)
   mesh = jax.sharding.Mesh(devices.reshape(shape), names, axis_types=types)

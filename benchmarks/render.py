@@ -324,10 +324,11 @@ def render_multinode(results: Results) -> str:
   """Each model's steps compiled for 8 nodes x 8 H100s."""
   doc = results.get("multinode")
   parts = [x for t in _tables(doc, "cross-node MiB") for x in (f"**{t['title']}**", _select(t))]
-  m = (doc or {}).get("machine", {})
-  return "\n\n".join(parts + [f"Compiled for 64 NVIDIA H100 SXM (simulated) on {m.get('cpu')}; "
-                               f"{_versions(m)}. {_commands(doc)}."]) if parts else _missing(
-                                   "multinode")
+  if not parts:
+    return _missing("multinode")
+  m = doc.get("machine", {})
+  return "\n\n".join([*parts, f"Compiled for 64 NVIDIA H100 SXM (simulated) on "
+                                f"{m.get('cpu')}; {_versions(m)}. {_commands(doc)}."])
 
 
 RENDERERS: dict[str, Callable[[Results], str]] = {

@@ -222,10 +222,10 @@ def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
 
 def _defaults(mesh: Mesh, axis_name: Any, mode: Mode) -> tuple[dict[str, Any],
                                                                dict[str, Any]]:
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  slices = mesh.shape[names[-1]] if mode.name in SLICED else 1
-  return cpu.step_defaults(mesh.devices.flat, math.prod(mesh.shape[a] for a in names), slices,
-                           fsdp=mode.name == "fsdp")
+  replicas, axis = slice_axes(axis_name)
+  slices = mesh.shape[axis] if mode.name in SLICED else 1
+  return cpu.step_defaults(mesh.devices.flat, math.prod(mesh.shape[a] for a in (*replicas, axis)),
+                           slices, fsdp=mode.name == "fsdp")
 
 
 def _check_mode(mode: str | Mode) -> Mode:
@@ -502,8 +502,10 @@ def _check_trainable(layout: Layout) -> None:
 def _state_specs(state_shapes: TrainState, axis_name: str, mode: str) -> TrainState:
   """Replicated everywhere, except the optimizer's slices (ZeRO-1 and -3) and the params'
   (ZeRO-3), which are split over the axis."""
+  sliced = P(slice_axes(axis_name)[1])
+
   def split(x):
-    return P(slice_axes(axis_name)[1]) if (mode in SLICED and x.ndim >= 1) else P()
+    return sliced if (mode in SLICED and x.ndim >= 1) else P()
 
   return TrainState(jax.tree.map(split if mode == "fsdp" else (lambda _: P()),
                                  state_shapes.params),

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "checkpoint": {},
     "gpu_compile": {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"},
     "multinode": {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"},
+    "fits": {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"},
     "startup": {},
     "compare": {},
 }

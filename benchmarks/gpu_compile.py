@@ -82,7 +82,7 @@ MAXTEXT_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                  "xla_gpu_all_gather_combine_threshold_bytes": 1073741824,
                  "xla_gpu_reduce_scatter_combine_threshold_bytes": 1073741824,
                  "xla_gpu_all_reduce_combine_threshold_bytes": 1073741824}
-ROWS = {"gpt_1p3b": 1, "gpt_1p3b_12": 1}  # rows per device, where not ROWS_PER_DEVICE
+ROWS = dict.fromkeys(models.LARGE, 1)  # rows per device, where not ROWS_PER_DEVICE
 # The baselines compiled with options of their own (the jpack steps carry theirs).
 COMPILER_OPTIONS = {
     "per_leaf_no_concat": lambda mesh: {"xla_disable_hlo_passes": "all-reduce-contiguous"},
@@ -180,7 +180,8 @@ def removed(value: float, base: float, floor: float) -> float | None:
   return None if base == floor else (base - value) / (base - floor)
 
 
-def goals(results: dict[str, Result], grad_bytes: int) -> dict[str, dict[str, bool]]:
+def goals(results: dict[str, Result], grad_bytes: int, name: str = ""
+          ) -> dict[str, dict[str, bool]]:
   """Each goal of `GOALS` (and the copy, temp and overlap goals) per mode: met or not."""
   out = {}
   for key, g in GOALS.items():
@@ -198,6 +199,44 @@ def goals(results: dict[str, Result], grad_bytes: int) -> dict[str, dict[str, bo
         "every bucket's collective overlapped": all(
             x.overlapped for x in p.collectives if x.bytes > BUCKET_MIN_BYTES),
     }
+  out.update(zero3_goals(results, grad_bytes, large=name in models.LARGE))
+  return out
+
+
+def zero3_goals(results: dict[str, Result], grad_bytes: int, large: bool
+                ) -> dict[str, dict[str, bool]]:
+  """ZeRO-3's goals against jit FSDP (with XLA's and with MaxText's flags): per device,
+  G the gradient's bytes in float32 (or the params' dtype), N = `NUM_GPUS`; half of jit
+  FSDP's peak on the ``large`` models only (activations dominate the small ones)."""
+  jit = [results[k] for k in ("jit_fsdp", "jit_fsdp_maxtext") if k in results]
+  if not jit:
+    return {}
+  peak = lambda r: r.arg_bytes + r.temp_bytes
+  best = min(jit, key=peak)
+  out = {}
+  for key in ("fsdp", "fsdp_bf16_params"):
+    r = results.get(key)
+    if r is None:
+      continue
+    big = [c for c in r.program.collectives
+           if c.op in ("all-gather", "reduce-scatter") and c.bytes >= 2**20]
+    gathers = [c for c in big if c.op == "all-gather"]
+    scatters = [c for c in big if c.op == "reduce-scatter"]
+    exempt = gathers[:2] + scatters[-1:]  # nothing to overlap at the step's two ends
+    checks = {
+        "args <= 3 G/N + 1% (12 bytes a param with adam)":
+            r.arg_bytes <= 1.01 * 3 * grad_bytes / NUM_GPUS,
+        "peak <= jit FSDP's": all(peak(r) <= peak(j) for j in jit),
+        "collectives >= 1 MiB overlapped, but the first two gathers and the last "
+        "reduce-scatter": all(c.overlapped for c in big if not any(c is e for e in exempt)),
+        "fewer kernels than jit FSDP": all(r.program.kernels < j.program.kernels for j in jit),
+        "fewer collectives than jit FSDP":
+            all(len(r.program.collectives) < len(j.program.collectives) for j in jit)}
+    if large:
+      checks["peak <= half of jit FSDP's"] = 2 * peak(r) <= peak(best)
+    if key == "fsdp_bf16_params":
+      checks["all-gathers in bf16"] = {c.dtype for c in gathers} == {"bf16"}
+    out[key] = checks
   return out
 
 
@@ -273,7 +312,7 @@ def shares(key: str, r: Result, results: dict[str, Result]
 def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> h.Table:
   """Workload ``name``'s goals per mode (`goals`), met or not."""
   g = h.Table(["mode", "goal", "result"], title=f"{name}: goals")
-  for mode, checks in goals(results, grad_bytes).items():
+  for mode, checks in goals(results, grad_bytes, name).items():
     for goal, ok in checks.items():
       g.add(VARIANTS[mode].label, goal, h.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
   return g

@@ -136,8 +136,9 @@ VIT_NAMES = ("qkv", "proj", "fc1", "fc2")
 
 def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int = 1024,
          heads: int = 12, seq: int = 128, seed: int = 0, abstract: bool = False,
-         name: str = "gpt2_small") -> Model:
-  """GPT-2: pre-LN decoder blocks, learned positions, the output tied to ``wte``."""
+         name: str = "gpt2_small", remat: bool = False) -> Model:
+  """GPT-2: pre-LN decoder blocks, learned positions, the output tied to ``wte``; with
+  ``remat``, each block under ``jax.checkpoint`` (recomputed in the backward pass)."""
   s: dict = {"wte": ((vocab, width), np.float32, "normal"),
              "wpe": ((positions, width), np.float32, "normal")}
   for i in range(layers):
@@ -147,8 +148,9 @@ def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int 
   def loss(params, tokens):
     x, y = tokens[:, :-1], tokens[:, 1:]
     h = params["wte"][x] + params["wpe"][: x.shape[1]]
+    block = jax.checkpoint(_pre_ln_block, static_argnums=(2, 3, 4)) if remat else _pre_ln_block
     for i in range(layers):
-      h = _pre_ln_block(params[f"h{i}"], h, GPT2_NAMES, heads, True)
+      h = block(params[f"h{i}"], h, GPT2_NAMES, heads, True)
     h = _layer_norm(h, params["ln_f"]["g"], params["ln_f"]["b"])
     return _cross_entropy(h @ params["wte"].T, y)
 
@@ -390,9 +392,10 @@ def full_size(name: str, *, abstract: bool = True) -> Model:
             "resnet50": lambda abstract: resnet(image=224, abstract=abstract)}
   if name in simple:
     return simple[name](abstract=abstract)
-  if name in ("gpt_1p3b", "gpt_1p3b_12"):  # the ZeRO-3 workload, and its half depth
-    return gpt2(layers=24 if name == "gpt_1p3b" else 12, width=2048, vocab=50257,
-                positions=1024, heads=16, seq=1024, abstract=abstract, name=name)
+  if name in LARGE:  # the ZeRO-3 workload, at half depth, and with each block rematted
+    return gpt2(layers=12 if name == "gpt_1p3b_12" else 24, width=2048, vocab=50257,
+                positions=1024, heads=16, seq=1024, abstract=abstract, name=name,
+                remat=name == "gpt_1p3b_remat")
   if name == "many_small_4000":
     from benchmarks import harness
     doc = harness.load_workload_doc(name)
@@ -402,4 +405,4 @@ def full_size(name: str, *, abstract: bool = True) -> Model:
 
 FULL_SIZE = ("gpt2_small", "bert_base", "resnet50", "mixed_llama_tiny", "many_small_4000")
 # Models without a shape table in benchmarks/workloads, compiled for GPUs by name.
-LARGE = ("gpt_1p3b", "gpt_1p3b_12")
+LARGE = ("gpt_1p3b", "gpt_1p3b_12", "gpt_1p3b_remat")

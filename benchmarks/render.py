@@ -23,7 +23,8 @@ Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
 
 def load_results(results_dir: pathlib.Path = RESULTS_DIR,
                  names: Iterable[str] = ("step", "collectives", "pack", "optimizer",
-                                         "checkpoint", "gpu_compile", "startup", "multinode")
+                                         "checkpoint", "gpu_compile", "startup", "multinode",
+                                         "fits")
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
   paths = {name: pathlib.Path(results_dir) / f"{name}.json" for name in names}
@@ -301,18 +302,14 @@ def render_gpu_compile(results: Results) -> str:
             {**r, "cells": {**r["cells"], "removed: kernels / HBM": "-"}}
             for r in table["rows"]]
     parts += [f"**{table['title']}**", _select(table, GPU_COLUMNS, rows)]
-  goals: dict[tuple[str, str], dict[str, str]] = {}
-  names: list[str] = []
-  for row in (r for t in _tables(doc, "mode", "goal", "result") for r in t["rows"]):
-    v = row["values"]
-    goals.setdefault((v["workload"], row["cells"]["mode"]), {})[v["goal"]] = row["cells"]["result"]
-    names += [] if v["goal"] in names else [v["goal"]]
-  if goals:
-    answer = {"PASS": "yes", "MISS": "no"}
-    parts += ["**The default and the ZeRO-1 mode against the per-leaf step, per workload**",
-              markdown_table(["workload", "mode", *names],
-                             [[w, m, *(answer.get(g.get(n, ""), "") for n in names)]
-                              for (w, m), g in goals.items()])]
+  goal_rows = [r for t in _tables(doc, "mode", "goal", "result") for r in t["rows"]]
+  zero3 = lambda r: r["values"]["key"].startswith("fsdp")
+  for title, rows in (
+      ("The default and the ZeRO-1 mode against the per-leaf step, per workload",
+       [r for r in goal_rows if not zero3(r)]),
+      ("ZeRO-3 against `jax.jit` FSDP, per workload", [r for r in goal_rows if zero3(r)])):
+    if rows:
+      parts += [f"**{title}**", _goals_table(rows)]
   m = doc.get("machine", {})
   parts.append(f"Compiled for 8 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
                f"{m.get('cpu', 'unknown CPU')} ({m.get('cores', '?')} cores); {_versions(m)}. "
@@ -320,22 +317,46 @@ def render_gpu_compile(results: Results) -> str:
   return "\n\n".join(parts)
 
 
+def _goals_table(rows: Sequence[Row]) -> str:
+  """Goal rows as one row per workload and mode, a column per goal: yes or no."""
+  goals: dict[tuple[str, str], dict[str, str]] = {}
+  names: list[str] = []
+  for row in rows:
+    v = row["values"]
+    goals.setdefault((v["workload"], row["cells"]["mode"]), {})[v["goal"]] = row["cells"]["result"]
+    names += [] if v["goal"] in names else [v["goal"]]
+  answer = {"PASS": "yes", "MISS": "no"}
+  return markdown_table(["workload", "mode", *names],
+                        [[w, m, *(answer.get(g.get(n, ""), "") for n in names)]
+                         for (w, m), g in goals.items()])
+
+
+def _compiled(results: Results, name: str, column: str, devices: str) -> str:
+  """Every table of benchmark ``name`` (those with ``column``), and where it compiled."""
+  doc = results.get(name)
+  parts = [x for t in _tables(doc, column) for x in (f"**{t['title']}**", _select(t))]
+  if not parts:
+    return _missing(name)
+  m = doc.get("machine", {})
+  return "\n\n".join([*parts, f"Compiled for {devices} NVIDIA H100 SXM (simulated) on "
+                                f"{m.get('cpu')}; {_versions(m)}. {_commands(doc)}."])
+
+
 def render_multinode(results: Results) -> str:
   """Each model's steps compiled for 8 nodes x 8 H100s."""
-  doc = results.get("multinode")
-  parts = [x for t in _tables(doc, "cross-node MiB") for x in (f"**{t['title']}**", _select(t))]
-  if not parts:
-    return _missing("multinode")
-  m = doc.get("machine", {})
-  return "\n\n".join([*parts, f"Compiled for 64 NVIDIA H100 SXM (simulated) on "
-                                f"{m.get('cpu')}; {_versions(m)}. {_commands(doc)}."])
+  return _compiled(results, "multinode", "cross-node MiB", "64")
+
+
+def render_fits(results: Results) -> str:
+  """The deepest GPT-like model each mode fits in one H100."""
+  return _compiled(results, "fits", "peak GiB", "8")
 
 
 RENDERERS: dict[str, Callable[[Results], str]] = {
     "headline": render_headline, "step": render_step, "baselines": render_baselines,
     "collectives": render_collectives, "pack": render_pack, "optimizer": render_optimizer,
     "checkpoint": render_checkpoint, "gpu_compile": render_gpu_compile,
-    "startup": render_startup, "multinode": render_multinode,
+    "startup": render_startup, "multinode": render_multinode, "fits": render_fits,
 }
 
 

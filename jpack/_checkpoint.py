@@ -33,7 +33,7 @@ from jpack._internal import leaf_from_flat
 from jpack._layout import Layout, retyped
 from jpack._owned import OwnedState
 from jpack._pack import Packed, pack
-from jpack._sharded import ShardedState
+from jpack._sharded import ShardedState, master_params
 from jpack._transforms import AllReduceState, FlatState
 
 _NODES = (FlatState, ShardedState)
@@ -618,7 +618,7 @@ def _saved_form(state: Any, key: Any, host: Callable[[Any], np.ndarray]) -> dict
   """What `save_checkpoint` saves, the same in every mode: host copies, or with
   ``host=_host_view`` views of the state's buffers where they can be (the trees only:
   the step and the key are copies)."""
-  saved = {"params": _params_tree(state.params, host),
+  saved = {"params": _params_tree(_params_of(state), host),
            "opt_state": _gather(_optimizer_part(state.opt_state), host),
            "step": _to_host(state.step)}
   if key is not None:
@@ -627,6 +627,17 @@ def _saved_form(state: Any, key: Any, host: Callable[[Any], np.ndarray]) -> dict
   if model_state is not None:
     saved["model_state"] = jax.tree.map(host, model_state)
   return saved
+
+
+def _params_of(state: Any) -> Any:
+  """``state.params``; for ZeRO-3 with masters, which keeps none, the masters rounded to
+  the params' dtypes: saved as every other mode saves its params."""
+  if state.params is not None:
+    return state.params
+  opt_state = _optimizer_part(state.opt_state)
+  if any(_is_abstract(m) for m in opt_state.master):
+    return Shards(tuple(opt_state.master), opt_state.layout)
+  return master_params(opt_state)
 
 
 def _signature(tree: Any) -> list[list[Any]]:
@@ -768,7 +779,7 @@ def _target(like: Any, meta: dict[str, Any]) -> dict[str, Any]:
   restore target (host arrays, no sharding)."""
   # Abstract first: a real ``like``'s values are never read (on several processes
   # ``like`` is a real state, see restore_checkpoint: reading it would copy it).
-  target = {"params": _params_tree(_abstract(like.params)),
+  target = {"params": _params_tree(_params_of(_abstract(like))),
             "opt_state": gather_state(_abstract(_optimizer_part(like.opt_state))),
             "step": jax.ShapeDtypeStruct((), like.step.dtype)}
   if meta.get("key") is not None:
@@ -820,7 +831,9 @@ def _check_same(saved: list[list[Any]], new: list[list[Any]], what: str, where: 
 def _from_saved(restored: dict[str, Any], like: Any) -> Any:
   """The restored saved form as a state like ``like`` (host values)."""
   params = restored["params"]
-  if isinstance(like.params, Packed):
+  if like.params is None:  # ZeRO-3 with masters: the restored masters are the params
+    params = None
+  elif isinstance(like.params, Packed):
     params = pack(params, like.params.layout)
   elif isinstance(like.params, Shards):  # the whole buckets: dp.step splits them
     params = Shards(pack(params, like.params.layout).buckets, like.params.layout)

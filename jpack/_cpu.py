@@ -459,8 +459,11 @@ GPU_SOLO_NDIM = 2
 
 
 # ZeRO-3 gathers each bucket where the loss reads it; merged, the gathers would bring in
-# many buckets at once, ahead of their layers.
-GPU_FSDP_COMPILER_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0}
+# many buckets at once, ahead of their layers. With one collective in flight at a time
+# (XLA's default), the backward pass's gathers take its compute and most reduce-scatters
+# get none; two in flight let a gather and a reduce-scatter overlap it together.
+GPU_FSDP_COMPILER_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0,
+                             "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
 
 def step_defaults(devices: Any, n: int, slices: int, fsdp: bool = False

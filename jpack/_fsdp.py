@@ -7,12 +7,16 @@ reduce-scatter, averaged over the devices in float32 (or wider), so the optimize
 this device's slice of the mean gradient, as `jpack.optax.sharded` takes it.
 
 By default the gathered buckets are not kept for the backward pass: the loss runs under
-`jax.checkpoint` with a policy that saves everything except the gathered buckets and
-cheap views (slices, reshapes, transposes, casts: a weight read through one would be
-saved whole), so the backward pass gathers each bucket again where it needs it (FSDP's
-``reshard_after_forward``) and recomputes the views. A weight transformed by anything
-else before use (``w * mask``) is saved as transformed. ``keep_gathered=True`` keeps them instead: one
-gather per bucket and step, the memory of ZeRO-1/2.
+`jax.checkpoint`, so the backward pass gathers each bucket again where it needs it
+(FSDP's ``reshard_after_forward``). Its policy never saves the gathered buckets or cheap
+views of them (slices, reshapes, transposes, casts: a weight read through one would be
+saved whole); of the rest it saves what ``remat_policy`` saves, by default the outputs
+of matmuls without batch dimensions (JAX's ``dots_with_no_batch_dims_saveable``), and
+recomputes the others. Saving every other value instead (``everything_saveable``) would
+keep each elementwise intermediate as a buffer of its own: remat's backward pass reads
+its saved values through one optimization barrier, so XLA can no longer fuse them away
+as it does in plain ``jax.grad``. ``keep_gathered=True`` keeps the gathered buckets
+instead: one gather per bucket and step, the memory of ZeRO-1/2.
 
 The gradient leaves the gather in a wider dtype than a bf16 bucket. A custom VJP's
 cotangent has its primal's dtype, so the gradient is taken with respect to a zero
@@ -46,8 +50,8 @@ def wide_dtype(dtype: Any) -> np.dtype:
   return d
 
 
-def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = False
-         ) -> Callable[..., Any]:
+def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = False,
+         remat_policy: Callable[..., Any] | None = None) -> Callable[..., Any]:
   """``loss_fn(params, *args)`` as a function of this device's `jpack.Shards` of them.
 
   Use inside `jax.shard_map` over ``axis_name``. The returned ``loss(shards, *args)``
@@ -64,6 +68,9 @@ def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = F
       ``inner``, the gradient averaged over both (as `jpack.optax.sharded` takes it).
     keep_gathered: keep the gathered buckets from the forward pass for the backward
       pass (faster, the memory of ZeRO-1) instead of gathering them again.
+    remat_policy: a `jax.checkpoint` policy: which of the loss's values the backward
+      pass keeps (the gathered buckets never, unless ``keep_gathered``). Default: matmul
+      outputs without batch dimensions; with ``keep_gathered``, everything.
 
   Returns:
     ``loss(shards, *args)``.
@@ -75,7 +82,8 @@ def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = F
     updates, opt_state = tx.update(grads, opt_state, shards)  # jpack.optax.sharded
     shards = optax.apply_updates(shards, updates)
   """
-  carried = gradient_carrier(loss_fn, axis_name, keep_gathered=keep_gathered)
+  carried = gradient_carrier(loss_fn, axis_name, keep_gathered=keep_gathered,
+                             remat_policy=remat_policy)
 
   @functools.wraps(loss_fn)
   def loss(shards, *args):
@@ -86,7 +94,8 @@ def fsdp(loss_fn: Callable[..., Any], axis_name: Any, *, keep_gathered: bool = F
 
 
 def gradient_carrier(loss_fn: Callable[..., Any], axis_name: Any, *,
-                     keep_gathered: bool = False) -> Callable[..., Any]:
+                     keep_gathered: bool = False,
+                     remat_policy: Callable[..., Any] | None = None) -> Callable[..., Any]:
   """``loss(shards, carriers, *args)``: `fsdp`'s loss, whose gradient with respect to
   ``carriers`` (a tuple of zero slices, one per bucket, in `wide_dtype`) is this
   device's slice of the mean gradient in that dtype."""
@@ -94,9 +103,9 @@ def gradient_carrier(loss_fn: Callable[..., Any], axis_name: Any, *,
   def loss(shards, carriers, *args):
     return _in_order(loss_fn, shards, carriers, args, axis_name, keep_gathered)
 
-  if keep_gathered:
+  if keep_gathered and remat_policy is None:
     return loss
-  return jax.checkpoint(loss, policy=_policy)
+  return jax.checkpoint(loss, policy=_saveable(remat_policy, keep_gathered))
 
 
 def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, ...],
@@ -197,14 +206,22 @@ _VIEWS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_i
                     "bitcast_convert_type", "reduce_precision"})
 
 
-def _policy(prim: Any, *_: Any, **params: Any) -> bool:
-  """What the loss may save for its backward pass: everything but the gathered buckets
-  (`_gather`'s outputs and the names on them) and the views of them."""
-  if prim.name == "name":
-    return params["name"] != _GATHERED
-  if prim.name == "custom_vjp_call":
-    return not _all_gathers(params["call_jaxpr"].jaxpr)
-  return prim.name not in _VIEWS
+def _saveable(policy: Callable[..., Any] | None, keep_gathered: bool
+              ) -> Callable[..., bool]:
+  """``policy`` (JAX's ``dots_with_no_batch_dims_saveable`` if None), never saving the
+  gathered buckets (`_gather`'s outputs and the names on them) or views of them."""
+  policy = policy or jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  if keep_gathered:
+    return policy
+
+  def saveable(prim: Any, *args: Any, **params: Any) -> bool:
+    if prim.name == "name" and params["name"] == _GATHERED:
+      return False
+    if prim.name == "custom_vjp_call" and _all_gathers(params["call_jaxpr"].jaxpr):
+      return False
+    return prim.name not in _VIEWS and policy(prim, *args, **params)
+
+  return saveable
 
 
 def _all_gathers(jaxpr: Any) -> bool:
@@ -246,7 +263,9 @@ def _gather_bwd(axis_name, residuals, ct):
   n = axis_size(axis)
   if ct.size == 0:
     return vary(jnp.zeros((0,), ct.dtype), axis_name), vary(jnp.zeros((0,), wide), axis)
-  mean = lax.psum_scatter(ct.astype(wide), axis, scatter_dimension=0, tiled=True) / n
+  # Scaled first: the reduce-scatter then has no consumer until the optimizer, so XLA can
+  # keep it in flight across the backward pass.
+  mean = lax.psum_scatter(ct.astype(wide) / n, axis, scatter_dimension=0, tiled=True)
   mean = mean_over((mean,), replicas)[0]  # the slice's all-reduce across replicas
   # The bucket came in through `vary` over the replica axes, whose transpose sums the
   # replicas' copies: each contributes its share.

@@ -167,7 +167,7 @@ def check_loss_fn(loss_fn: Callable[..., Any], has_state: bool) -> None:
 
 def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: str,
                        masters: Layout, accumulate: int, accumulator: str, comm_dtype: Any,
-                       keep_gathered: bool = False
+                       keep_gathered: bool = False, remat_policy: Any = None
                        ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any, Any]]:
   """``(params, model_state, batch) -> (loss, aux, grads, model_state)`` on one device:
   the mean over ``accumulate`` micro-batches, with the gradients in the masters' dtypes
@@ -178,7 +178,8 @@ def accumulated_grads(loss_fn: Callable[..., Any], params_as: str, axis_name: st
   packed_params = params_as != "tree"
   if params_as == "shards":
     accumulator = "sharded"
-    carried = gradient_carrier(loss_fn, axis_name, keep_gathered=keep_gathered)
+    carried = gradient_carrier(loss_fn, axis_name, keep_gathered=keep_gathered,
+                               remat_policy=remat_policy)
 
   def one(params, model_state, batch):
     if params_as == "shards":  # the gradient is the gather's transpose: a reduce-scatter

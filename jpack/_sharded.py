@@ -192,6 +192,13 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def master_params(state: ShardedState) -> Shards:
+  """This device's slices of the params as the loss takes them: the masters rounded to
+  the layout's dtypes (ZeRO-3 with ``param_dtype`` keeps no other copy of them)."""
+  return Shards(tuple(m.astype(b.dtype) for m, b in zip(state.master, state.layout.buckets)),
+                state.layout)
+
+
 _MAX_PADDING = 2.0  # bucket bytes over leaf bytes above which init warns
 
 

@@ -26,7 +26,7 @@ from jpack._pack import Packed, flatten_like, pack, unpack
 from jpack._placement import place, place_batch, replicate
 from jpack._precision import ParamDtype, Precision, cast_params, check_precision, master_layout
 from jpack._probe import checker
-from jpack._sharded import ShardedState, sharded, sharded_layout
+from jpack._sharded import ShardedState, master_params, sharded, sharded_layout
 from jpack._transforms import after, allreduce, firsts, flat
 
 MODES = ("allreduce", "packed", "sharded", "fsdp")
@@ -49,10 +49,15 @@ class Mode(NamedTuple):
     keep_gathered: in ``"fsdp"`` mode, keep the buckets gathered in the forward pass for
       the backward pass (one gather per bucket and step, ZeRO-2's memory) instead of
       gathering them again there (see `jpack.fsdp`).
+    remat_policy: in ``"fsdp"`` mode, a `jax.checkpoint` policy: which values of the loss
+      the backward pass keeps rather than recomputes (never the gathered buckets, unless
+      ``keep_gathered``). Default: matmul outputs without batch dimensions (see
+      docs/zero.md); ``jax.checkpoint_policies.everything_saveable`` recomputes least.
   """
   name: str = "packed"
   shard_accumulator: bool = False
   keep_gathered: bool = False
+  remat_policy: Callable[..., Any] | None = None
 
 
 class TrainState(NamedTuple):
@@ -63,7 +68,10 @@ class TrainState(NamedTuple):
   ``jax.device_get``). A donated state passed again raises a `RuntimeError`.
 
   Attributes:
-    params: the parameters: a tree in ``"allreduce"`` mode, else a `jpack.Packed`.
+    params: the parameters: a tree in ``"allreduce"`` mode, this device's `jpack.Shards`
+      in ``"fsdp"`` mode, else a `jpack.Packed`. None in ``"fsdp"`` mode with
+      ``Precision(param_dtype=)``: the optimizer's masters are the only copy, rounded
+      each step (``dp.unpack(state)`` gives the params).
     opt_state: the optimizer state (its slices, split over the axis, in "sharded" mode).
     step: the number of steps taken.
     model_state: the model's state that is not trained (Flax's ``batch_stats``), as
@@ -162,8 +170,9 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
       model_state = broadcast(model_state, axis_name)
     if param_dtype is not None:  # the optimizer keeps the full-precision masters
       params = broadcast(params, axis_name)
-      return TrainState(kept(pack(cast_params(params, param_dtype), layout)),
-                        tx.init(params), jnp.zeros((), jnp.int32), model_state)
+      # ZeRO-3 keeps the masters only: each step rounds their slices for the loss.
+      narrow = None if params_as == "shards" else pack(cast_params(params, param_dtype), layout)
+      return TrainState(narrow, tx.init(params), jnp.zeros((), jnp.int32), model_state)
     if isinstance(params, Packed):  # packed on the host (`_packed_on_host`)
       params = broadcast(params, axis_name)
     else:
@@ -179,7 +188,7 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   accumulator = "sharded" if mode.shard_accumulator else "local"
   grads_fn = accumulated_grads(with_state(loss_fn, has_aux), params_as, axis_name,
                                 masters, accumulate, accumulator, comm_dtype,
-                                mode.keep_gathered)
+                                mode.keep_gathered, mode.remat_policy)
   local_step = _per_device_step(grads_fn, tx, mode.name, axis_name, has_aux)
 
   # What init takes: the params as params_like describes them (full precision).
@@ -245,6 +254,14 @@ def _check_mode(mode: str | Mode) -> Mode:
     raise ValueError("Mode(keep_gathered=True) keeps gathered parameter buckets for the "
                      "backward pass, which only mode 'fsdp' gathers; got "
                      f"Mode({mode.name!r}, keep_gathered=True).")
+  if mode.remat_policy is not None and mode.name != "fsdp":
+    raise ValueError("Mode(remat_policy=...) chooses what the backward pass of mode "
+                     "'fsdp' recomputes; for another mode, apply jax.checkpoint in the "
+                     f"loss instead. Got Mode({mode.name!r}, remat_policy=...).")
+  if mode.remat_policy is not None and not callable(mode.remat_policy):
+    raise TypeError("Mode.remat_policy must be a jax.checkpoint policy (such as "
+                    "jax.checkpoint_policies.dots_saveable), got "
+                    f"{type(mode.remat_policy).__name__}.")
   return mode
 
 
@@ -295,7 +312,9 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
   slice_axis = slice_axes(axis_name)[1]
 
   def local_step(state, batch):
-    loss, aux, grads, model_state = grads_of(state.params, state.model_state, batch)
+    # ZeRO-3 with masters: the params are the masters' slices, rounded before the gather.
+    params = master_params(state.opt_state) if state.params is None else state.params
+    loss, aux, grads, model_state = grads_of(params, state.model_state, batch)
     model_state = average_state(model_state, axis_name)
     loss, aux = lax.pmean((loss, aux), axis_name)
     # Metrics may read the params: computed before any update (the transformations
@@ -303,11 +322,13 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
     grads = after(grads, *firsts(aux))
     # ZeRO-1 updates this device's slice of the params, then gathers the new params;
     # ZeRO-3 keeps the slice, gathered by the next step's forward pass.
-    target = shard(state.params, slice_axis) if mode == "sharded" else state.params
+    target = shard(params, slice_axis) if mode == "sharded" else params
     updates, opt_state = tx.update(grads, state.opt_state, target, value=loss)
     params = optax.apply_updates(target, updates)
     if mode == "sharded":
       params = all_gather(params, slice_axis)
+    if state.params is None:
+      params = None
     metrics = {"loss": loss, "grad_norm": _grad_norm(opt_state)}
     if has_aux:
       metrics["aux"] = aux
@@ -416,8 +437,9 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
     _check_not_donated(state, _READ_FIX)
     local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     if params_as == "shards":  # this process's copy of the whole buckets, gathered
-      whole = tuple(_whole_on(b, local) for b in state.params.buckets)
-      params = unpack(Packed(whole, state.params.layout))
+      shards = master_params(state.opt_state) if state.params is None else state.params
+      whole = tuple(_whole_on(b, local) for b in shards.buckets)
+      params = unpack(Packed(whole, shards.layout))
     else:
       tree = unpack(state.params) if params_as == "packed" else state.params
       params = jax.tree.map(lambda x: _on_one_device(x, local), tree)
@@ -527,7 +549,8 @@ def _check_state(state: TrainState, mode: str) -> None:
   error is a pytree-prefix mismatch), and a state already passed to ``step``, which
   donated it: on several CPU devices jax 0.10.2 kills the process (segfault) when a
   deleted buffer is donated again."""
-  if mode == "fsdp" and not isinstance(state.params, Shards):
+  masters_only = state.params is None and getattr(state.opt_state, "master", None) is not None
+  if mode == "fsdp" and not (isinstance(state.params, Shards) or masters_only):
     raise TypeError(
         f"TrainState.params is a {type(state.params).__name__}, but data_parallel("
         "mode='fsdp') keeps this device's slices of the params as jpack.Shards: use "

@@ -287,3 +287,18 @@ def test_shares_and_goals_are_computed_from_the_merged_rows():
                    "copy-only bytes above floor <= 1 gradient": True,
                    "temp <= per-leaf": True, "every bucket's collective overlapped": True}
   assert len(got["tables"]) == 2
+
+
+def test_zero3_keeps_no_gathered_layer_for_the_backward_pass(mesh):
+  """ZeRO-3's temp grows with depth by what a layer saves, not by its gathered weights:
+  at 16 tokens a layer's activations are a few KiB, its weights 3 MiB (which
+  keep_gathered=True keeps, one layer's worth per layer)."""
+  def temp(layers):
+    model = models.gpt2(layers=layers, width=256, vocab=512, positions=64, heads=4, seq=16,
+                        abstract=True)
+    return gpu_compile.compile_variant("fsdp", model, mesh, rows=1).temp_bytes
+
+  layer_bytes = 12 * 256 * 256 * 4
+  grown = temp(4) - temp(2)
+  assert grown < layer_bytes, (grown, layer_bytes)  # two layers more
+

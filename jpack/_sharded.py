@@ -192,6 +192,12 @@ def sharded(inner: optax.GradientTransformation, axis_name: Any, *, comm_dtype: 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def pads_much(layout: Layout) -> bool:
+  """Whether ``layout``'s buckets hold more than `_MAX_PADDING` times its leaves' bytes
+  (owned whole leaves, padded to the largest on every device)."""
+  return layout.nbytes > _MAX_PADDING * layout.leaf_nbytes
+
+
 def master_params(state: ShardedState) -> Shards:
   """This device's slices of the params as the loss takes them: the masters rounded to
   the layout's dtypes (ZeRO-3 with ``param_dtype`` keeps no other copy of them)."""
@@ -266,7 +272,7 @@ def ownership(inner: Inner, axis_name: Any, where: str, plan_options: dict[str, 
       differ = ", ".join(dict.fromkeys(on_leaves))
       # Padded to more than twice the leaves (a leaf far larger than the rest): the
       # collectives and the buffers then cost more than ZeRO-1 saves.
-      padded = final.nbytes > _MAX_PADDING * final.leaf_nbytes
+      padded = pads_much(final)
       logger.log(logging.WARNING if padded else logging.INFO,
                  "jpack.optax.sharded (layout %s): %s on each device's own whole leaves "
                  "(on slices %s would differ)%s; the buckets hold %.3g MB for %.3g MB of "

@@ -26,7 +26,8 @@ from jpack._pack import Packed, flatten_like, pack, unpack
 from jpack._placement import place, place_batch, replicate
 from jpack._precision import ParamDtype, Precision, cast_params, check_precision, master_layout
 from jpack._probe import checker
-from jpack._sharded import ShardedState, master_params, sharded, sharded_layout
+from jpack._sharded import (ShardedState, master_params, pads_much, sharded,
+                             sharded_layout)
 from jpack._transforms import after, allreduce, firsts, flat
 
 MODES = ("allreduce", "packed", "sharded", "fsdp")
@@ -98,7 +99,7 @@ class DataParallel(NamedTuple):
 
 def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
                   params_like: Any, mesh: Mesh | None = None, *,
-                  mode: str | Mode = "packed", has_aux: bool = False,
+                  mode: str | Mode | None = None, has_aux: bool = False,
                   precision: Precision | None = None, accumulate: int = 1) -> DataParallel:
   """Build a jit-compiled data-parallel training step over ``mesh``.
 
@@ -116,7 +117,10 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
       `jpack.optax.partition` of several by label.
     params_like: the params tree, or a tree of `jax.ShapeDtypeStruct`.
     mesh: a mesh with one data-parallel axis (default: all devices, axis "batch").
-    mode: ``"packed"``, ``"allreduce"``, ``"sharded"``, or a `jpack.Mode`.
+    mode: ``"packed"``, ``"allreduce"``, ``"sharded"``, ``"fsdp"``, or a `jpack.Mode`.
+      Default: ``"packed"``, or ``"sharded"`` for an optimizer with parts that need
+      whole leaves (adafactor, muon, lamb's trust ratio, masks), which ZeRO-1 runs on
+      each device's own leaves: 1/N of that work per device.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged into ``metrics``.
     precision: a `jpack.Precision`: bf16 params with f32 masters, a narrow wire.
     accumulate: micro-batches per step, their gradients summed before one reduction.
@@ -133,6 +137,8 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
     state = dp.init(params)
     state, metrics = dp.step(state, batch)
   """
+  if mode is None:
+    mode = _default_mode(optimizer, params_like, mesh, precision)
   mode = _check_mode(mode)
   param_dtype, comm_dtype = check_precision(precision)
   inner, labels = split_partition(optimizer)
@@ -200,6 +206,29 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
               mesh, mode.name, accumulate, compiler_options, host_packed,
               functools.partial(check_loss_fn, loss_fn))
   return dp._replace(layout=layout)
+
+
+def _default_mode(optimizer: Any, params_like: Any, mesh: Mesh | None, precision: Any
+                  ) -> str:
+  """``"sharded"`` where a part of ``optimizer`` needs whole leaves on buckets (``"packed"``
+  would run it on all the leaves on every device) and ZeRO-1 places it on each device's
+  own leaves without padding much; else ``"packed"``, which also names what is refused."""
+  try:
+    inner, labels = split_partition(optimizer)
+    param_dtype = check_precision(precision).param_dtype
+    like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
+    mesh, axis_name = _check_mesh(mesh)
+    options = _defaults(mesh, axis_name, Mode("packed"))[0]
+    layout = plan(like, group_fn=group_fn_for(like, labels), **options)
+    masters = layout if param_dtype is None else master_layout(layout, params_like)
+    if checker(inner, on="buckets", where="")(masters) is None:
+      return "packed"
+    options = _defaults(mesh, axis_name, Mode("sharded"))[0]
+    sliced = sharded_layout(inner, plan(like, group_fn=group_fn_for(like, labels), **options),
+                            slice_axes(axis_name)[1], "", **options)
+  except (TypeError, ValueError):
+    return "packed"
+  return "packed" if pads_much(sliced) else "sharded"
 
 
 def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"

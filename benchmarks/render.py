@@ -349,7 +349,7 @@ def render_multinode(results: Results) -> str:
 
 def render_fits(results: Results) -> str:
   """The deepest GPT-like model each mode fits in one H100."""
-  return _compiled(results, "fits", "peak GiB", "8")
+  return _compiled(results, "fits", "GiB per layer", "8")
 
 
 RENDERERS: dict[str, Callable[[Results], str]] = {

@@ -220,37 +220,12 @@ def test_hand_written_fsdp_step():
   _close(jax.device_get(got), want)
 
 
-@pytest.mark.parametrize("saved_in,restored_in,devices", [
-    ("fsdp", "sharded", 4), ("fsdp", "packed", 1), ("packed", "fsdp", 4), ("fsdp", "fsdp", 2)])
-def test_checkpoint_across_modes_and_device_counts(saved_in, restored_in, devices):
+def _saved_and_restored(saved_in, restored_in, mesh=None, precision=None):
+  """The params after 3 steps in ``saved_in``, and after 2 steps there, a checkpoint, a
+  restore into ``restored_in`` on ``mesh`` and one step there."""
   ocp = pytest.importorskip("orbax.checkpoint")
   params, loss, batch = _mlp()
   tx = optax.adam(1e-2)
-  dp = jpack.data_parallel(loss, tx, params, mode=saved_in)
-  state = dp.init(params)
-  for _ in range(2):
-    state, _ = dp.step(state, batch)
-  directory = tempfile.mkdtemp()
-  with ocp.CheckpointManager(directory) as manager:
-    jpack.checkpoint.save(manager, 2, state)
-  state, _ = dp.step(state, batch)
-  want = dp.unpack(state)
-
-  mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices])
-  other = jpack.data_parallel(loss, tx, params, mesh, mode=restored_in)
-  restored, _ = jpack.checkpoint.restore(directory, jax.eval_shape(other.init, params))
-  restored, _ = other.step(restored, batch)
-  _close(other.unpack(restored), want, rtol=1e-6)
-
-
-@pytest.mark.parametrize("saved_in,restored_in", [
-    ("fsdp", "packed"), ("sharded", "fsdp"), ("fsdp", "fsdp")])
-def test_bf16_checkpoint_across_modes(saved_in, restored_in):
-  """ZeRO-3 with bf16 params keeps only the masters; its checkpoint holds the bf16 params
-  and the masters as every other mode's does, and restores in them, and the reverse."""
-  ocp = pytest.importorskip("orbax.checkpoint")
-  params, loss, batch = _mlp()
-  tx, precision = optax.adam(1e-2), jpack.Precision(param_dtype=jnp.bfloat16)
   dp = jpack.data_parallel(loss, tx, params, mode=saved_in, precision=precision)
   state = dp.init(params)
   for _ in range(2):
@@ -259,12 +234,28 @@ def test_bf16_checkpoint_across_modes(saved_in, restored_in):
   with ocp.CheckpointManager(directory) as manager:
     jpack.checkpoint.save(manager, 2, state)
   state, _ = dp.step(state, batch)
-  want = dp.unpack(state)
 
-  other = jpack.data_parallel(loss, tx, params, mode=restored_in, precision=precision)
+  other = jpack.data_parallel(loss, tx, params, mesh, mode=restored_in, precision=precision)
   restored, _ = jpack.checkpoint.restore(directory, jax.eval_shape(other.init, params))
   restored, _ = other.step(restored, batch)
-  got = other.unpack(restored)
+  return dp.unpack(state), other.unpack(restored)
+
+
+@pytest.mark.parametrize("saved_in,restored_in,devices", [
+    ("fsdp", "sharded", 4), ("fsdp", "packed", 1), ("packed", "fsdp", 4), ("fsdp", "fsdp", 2)])
+def test_checkpoint_across_modes_and_device_counts(saved_in, restored_in, devices):
+  mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices])
+  want, got = _saved_and_restored(saved_in, restored_in, mesh)
+  _close(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("saved_in,restored_in", [
+    ("fsdp", "packed"), ("sharded", "fsdp"), ("fsdp", "fsdp")])
+def test_bf16_checkpoint_across_modes(saved_in, restored_in):
+  """ZeRO-3 with bf16 params keeps only the masters; its checkpoint holds the bf16 params
+  and the masters as every other mode's does, and restores in them, and the reverse."""
+  want, got = _saved_and_restored(saved_in, restored_in,
+                                  precision=jpack.Precision(param_dtype=jnp.bfloat16))
   for k in want:  # bf16 params from the same masters: within one bf16 rounding
     np.testing.assert_allclose(np.asarray(got[k], np.float32),
                                np.asarray(want[k], np.float32), rtol=8e-3, atol=1e-6,

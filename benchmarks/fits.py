@@ -36,8 +36,8 @@ def gpt(layers: int) -> models.Model:
 
 
 def peak(key: str, layers: int) -> int:
-  r = gpu_compile.compile_variant(key, gpt(layers), gpu_compile.gpu_mesh(), rows=1)
-  return r.arg_bytes + r.temp_bytes
+  return gpu_compile.compile_variant(key, gpt(layers), gpu_compile.gpu_mesh(),
+                                     rows=1).peak_bytes
 
 
 def deepest(key: str) -> tuple[int, float, int]:

@@ -33,7 +33,7 @@ from jpack._internal import leaf_from_flat
 from jpack._layout import Layout, retyped
 from jpack._owned import OwnedState
 from jpack._pack import Packed, pack
-from jpack._sharded import ShardedState, master_params
+from jpack._sharded import ShardedState, params_or_masters
 from jpack._transforms import AllReduceState, FlatState
 
 _NODES = (FlatState, ShardedState)
@@ -618,7 +618,9 @@ def _saved_form(state: Any, key: Any, host: Callable[[Any], np.ndarray]) -> dict
   """What `save_checkpoint` saves, the same in every mode: host copies, or with
   ``host=_host_view`` views of the state's buffers where they can be (the trees only:
   the step and the key are copies)."""
-  saved = {"params": _params_tree(_params_of(state), host),
+  # ZeRO-3 with masters keeps no params: saved, as every mode saves them, from the masters.
+  params = params_or_masters(state.params, _optimizer_part(state.opt_state))
+  saved = {"params": _params_tree(params, host),
            "opt_state": _gather(_optimizer_part(state.opt_state), host),
            "step": _to_host(state.step)}
   if key is not None:
@@ -627,17 +629,6 @@ def _saved_form(state: Any, key: Any, host: Callable[[Any], np.ndarray]) -> dict
   if model_state is not None:
     saved["model_state"] = jax.tree.map(host, model_state)
   return saved
-
-
-def _params_of(state: Any) -> Any:
-  """``state.params``; for ZeRO-3 with masters, which keeps none, the masters rounded to
-  the params' dtypes: saved as every other mode saves its params."""
-  if state.params is not None:
-    return state.params
-  opt_state = _optimizer_part(state.opt_state)
-  if any(_is_abstract(m) for m in opt_state.master):
-    return Shards(tuple(opt_state.master), opt_state.layout)
-  return master_params(opt_state)
 
 
 def _signature(tree: Any) -> list[list[Any]]:
@@ -779,8 +770,10 @@ def _target(like: Any, meta: dict[str, Any]) -> dict[str, Any]:
   restore target (host arrays, no sharding)."""
   # Abstract first: a real ``like``'s values are never read (on several processes
   # ``like`` is a real state, see restore_checkpoint: reading it would copy it).
-  target = {"params": _params_tree(_params_of(_abstract(like))),
-            "opt_state": gather_state(_abstract(_optimizer_part(like.opt_state))),
+  like = _abstract(like)
+  target = {"params": _params_tree(params_or_masters(like.params,
+                                                     _optimizer_part(like.opt_state))),
+            "opt_state": gather_state(_optimizer_part(like.opt_state)),
             "step": jax.ShapeDtypeStruct((), like.step.dtype)}
   if meta.get("key") is not None:
     target["key"] = jax.ShapeDtypeStruct(tuple(meta["key"]["shape"]), np.uint32)
@@ -792,7 +785,7 @@ def _target(like: Any, meta: dict[str, Any]) -> dict[str, Any]:
                      f"{wants} model_state (given to dp.init(params, model_state)): use the same "
                      "for both.")
   if model_state is not None:
-    target["model_state"] = _abstract(model_state)
+    target["model_state"] = model_state
   return target
 
 

@@ -263,8 +263,8 @@ def _gather_bwd(axis_name, residuals, ct):
   n = axis_size(axis)
   if ct.size == 0:
     return vary(jnp.zeros((0,), ct.dtype), axis_name), vary(jnp.zeros((0,), wide), axis)
-  # Scaled first: the reduce-scatter then has no consumer until the optimizer, so XLA can
-  # keep it in flight across the backward pass.
+  # Scaled before the reduce-scatter: the division fuses into the kernel that makes the
+  # gradient, not a kernel of its own after the collective.
   mean = lax.psum_scatter(ct.astype(wide) / n, axis, scatter_dimension=0, tiled=True)
   mean = mean_over((mean,), replicas)[0]  # the slice's all-reduce across replicas
   # The bucket came in through `vary` over the replica axes, whose transpose sums the

@@ -198,11 +198,15 @@ def pads_much(layout: Layout) -> bool:
   return layout.nbytes > _MAX_PADDING * layout.leaf_nbytes
 
 
-def master_params(state: ShardedState) -> Shards:
-  """This device's slices of the params as the loss takes them: the masters rounded to
-  the layout's dtypes (ZeRO-3 with ``param_dtype`` keeps no other copy of them)."""
-  return Shards(tuple(m.astype(b.dtype) for m, b in zip(state.master, state.layout.buckets)),
-                state.layout)
+def params_or_masters(params: Any, state: Any) -> Any:
+  """``params``; where ZeRO-3 keeps none (``param_dtype``: the masters in ``state``, a
+  `ShardedState`, are the only copy), this device's slices of them as the loss takes
+  them: the masters rounded to the layout's dtypes (abstract masters, their shapes)."""
+  if params is not None:
+    return params
+  dtypes = [b.dtype for b in state.layout.buckets]
+  return Shards(tuple(jax.ShapeDtypeStruct(m.shape, d) if isinstance(m, jax.ShapeDtypeStruct)
+                      else m.astype(d) for m, d in zip(state.master, dtypes)), state.layout)
 
 
 _MAX_PADDING = 2.0  # bucket bytes over leaf bytes above which init warns

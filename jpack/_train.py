@@ -26,7 +26,7 @@ from jpack._pack import Packed, flatten_like, pack, unpack
 from jpack._placement import place, place_batch, replicate
 from jpack._precision import ParamDtype, Precision, cast_params, check_precision, master_layout
 from jpack._probe import checker
-from jpack._sharded import (ShardedState, master_params, pads_much, sharded,
+from jpack._sharded import (ShardedState, pads_much, params_or_masters, sharded,
                              sharded_layout)
 from jpack._transforms import after, allreduce, firsts, flat
 
@@ -137,9 +137,8 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
     state = dp.init(params)
     state, metrics = dp.step(state, batch)
   """
-  if mode is None:
-    mode = _default_mode(optimizer, params_like, mesh, precision)
-  mode = _check_mode(mode)
+  chosen = mode is None  # the default: "packed", or ZeRO-1 for parts that need leaves
+  mode = _check_mode("packed" if chosen else mode)
   param_dtype, comm_dtype = check_precision(precision)
   inner, labels = split_partition(optimizer)
   check_accumulate(accumulate)
@@ -153,20 +152,26 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   slice_axis = slice_axes(axis_name)[1]  # ZeRO slices: within a node on a (node, gpu) mesh
   check_inner(inner, labels)
   _check_not_flax_variables(params_like)
-  sharded_mode = mode.name in SLICED
-  plan_options, compiler_options = _defaults(mesh, axis_name, mode)
   narrow_like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
-  layout = plan(narrow_like, group_fn=group_fn_for(narrow_like, labels), **plan_options)
+  group_fn = group_fn_for(narrow_like, labels)
+  plan_options, compiler_options = _defaults(mesh, axis_name, mode)
+  layout = plan(narrow_like, group_fn=group_fn, **plan_options)
   _check_trainable(layout)
   where = f"inside data_parallel's optimizer (mode={mode.name!r})"
-  if sharded_mode:  # whole leaves on each device, where the optimizer needs them
+  if mode.name in SLICED:  # whole leaves on each device, where the optimizer needs them
     layout = sharded_layout(inner, layout, slice_axis, where, **plan_options)
   # The gradients' dtypes as the optimizer takes them: the masters', or the params'.
   masters = layout if param_dtype is None else master_layout(layout, params_like)
-  if not sharded_mode:
-    checker(inner, on="buckets" if mode.name == "packed" else "tree",
-            axis_name=axis_name, where=where,
-            instead="mode='allreduce', which runs it on the params tree")(masters)
+  if mode.name not in SLICED:
+    needs_leaves = checker(inner, on="buckets" if mode.name == "packed" else "tree",
+                           axis_name=axis_name, where=where,
+                           instead="mode='allreduce', which runs it on the params tree")(masters)
+    sliced = (_zero1_layout(inner, narrow_like, group_fn, mesh, axis_name)
+              if chosen and needs_leaves else None)
+    if sliced is not None:
+      mode, layout = Mode("sharded"), sliced
+      plan_options, compiler_options = _defaults(mesh, axis_name, mode)
+      masters = layout if param_dtype is None else master_layout(layout, params_like)
   tx = _transformation(mode.name, optimizer, axis_name, comm_dtype, param_dtype, plan_options)
   packed_params = mode.name != "allreduce"
   params_as = {"allreduce": "tree", "fsdp": "shards"}.get(mode.name, "packed")
@@ -208,27 +213,18 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   return dp._replace(layout=layout)
 
 
-def _default_mode(optimizer: Any, params_like: Any, mesh: Mesh | None, precision: Any
-                  ) -> str:
-  """``"sharded"`` where a part of ``optimizer`` needs whole leaves on buckets (``"packed"``
-  would run it on all the leaves on every device) and ZeRO-1 places it on each device's
-  own leaves without padding much; else ``"packed"``, which also names what is refused."""
+def _zero1_layout(inner: Any, like: Any, group_fn: Any, mesh: Mesh, axis_name: Any
+                  ) -> Layout | None:
+  """ZeRO-1's layout for an optimizer with parts that need whole leaves: "packed" runs
+  them on all the leaves on every device, ZeRO-1 on each device's own. None where ZeRO-1
+  refuses it, or pads the owned buckets much (`pads_much`): the default stays packed."""
+  options = _defaults(mesh, axis_name, Mode("sharded"))[0]
   try:
-    inner, labels = split_partition(optimizer)
-    param_dtype = check_precision(precision).param_dtype
-    like = params_like if param_dtype is None else cast_params(params_like, param_dtype)
-    mesh, axis_name = _check_mesh(mesh)
-    options = _defaults(mesh, axis_name, Mode("packed"))[0]
-    layout = plan(like, group_fn=group_fn_for(like, labels), **options)
-    masters = layout if param_dtype is None else master_layout(layout, params_like)
-    if checker(inner, on="buckets", where="")(masters) is None:
-      return "packed"
-    options = _defaults(mesh, axis_name, Mode("sharded"))[0]
-    sliced = sharded_layout(inner, plan(like, group_fn=group_fn_for(like, labels), **options),
+    sliced = sharded_layout(inner, plan(like, group_fn=group_fn, **options),
                             slice_axes(axis_name)[1], "", **options)
-  except (TypeError, ValueError):
-    return "packed"
-  return "packed" if pads_much(sliced) else "sharded"
+  except TypeError:
+    return None
+  return None if pads_much(sliced) else sliced
 
 
 def step_options(mesh: Mesh | None = None, mode: str | Mode = "packed"
@@ -342,7 +338,7 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
 
   def local_step(state, batch):
     # ZeRO-3 with masters: the params are the masters' slices, rounded before the gather.
-    params = master_params(state.opt_state) if state.params is None else state.params
+    params = params_or_masters(state.params, state.opt_state)
     loss, aux, grads, model_state = grads_of(params, state.model_state, batch)
     model_state = average_state(model_state, axis_name)
     loss, aux = lax.pmean((loss, aux), axis_name)
@@ -353,11 +349,10 @@ def _per_device_step(grads_of: Callable[[Any, Any], tuple[Any, Any, Any]],
     # ZeRO-3 keeps the slice, gathered by the next step's forward pass.
     target = shard(params, slice_axis) if mode == "sharded" else params
     updates, opt_state = tx.update(grads, state.opt_state, target, value=loss)
-    params = optax.apply_updates(target, updates)
+    # With masters only (ZeRO-3), the update of the masters in opt_state is the update.
+    params = None if state.params is None else optax.apply_updates(target, updates)
     if mode == "sharded":
       params = all_gather(params, slice_axis)
-    if state.params is None:
-      params = None
     metrics = {"loss": loss, "grad_norm": _grad_norm(opt_state)}
     if has_aux:
       metrics["aux"] = aux
@@ -466,7 +461,7 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
     _check_not_donated(state, _READ_FIX)
     local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     if params_as == "shards":  # this process's copy of the whole buckets, gathered
-      shards = master_params(state.opt_state) if state.params is None else state.params
+      shards = params_or_masters(state.params, state.opt_state)
       whole = tuple(_whole_on(b, local) for b in shards.buckets)
       params = unpack(Packed(whole, shards.layout))
     else:

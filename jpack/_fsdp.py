@@ -103,9 +103,17 @@ def gradient_carrier(loss_fn: Callable[..., Any], axis_name: Any, *,
   def loss(shards, carriers, *args):
     return _in_order(loss_fn, shards, carriers, args, axis_name, keep_gathered)
 
-  if keep_gathered and remat_policy is None:
+  if not (keep_gathered and remat_policy is None):
+    loss = jax.checkpoint(loss, policy=_saveable(remat_policy, keep_gathered))
+  replicas = slice_axes(axis_name)[0]
+  if not replicas:
     return loss
-  return jax.checkpoint(loss, policy=_saveable(remat_policy, keep_gathered))
+
+  def across_replicas(shards, carriers, *args):
+    buckets, carriers = _replicated((shards.buckets, tuple(carriers)), replicas)
+    return loss(Shards(buckets, shards.layout), carriers, *args)
+
+  return across_replicas
 
 
 def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, ...],
@@ -261,19 +269,39 @@ def _gather_bwd(axis_name, residuals, ct):
   wide = wide_dtype(ct.dtype)
   replicas, axis = slice_axes(axis_name)
   n = axis_size(axis)
+  del replicas  # averaged over them once, after the whole backward pass: `_replicated`
   if ct.size == 0:
-    return vary(jnp.zeros((0,), ct.dtype), axis_name), vary(jnp.zeros((0,), wide), axis)
+    return vary(jnp.zeros((0,), ct.dtype), axis_name), vary(jnp.zeros((0,), wide), axis_name)
   # Scaled before the reduce-scatter: the division fuses into the kernel that makes the
   # gradient, not a kernel of its own after the collective.
   mean = lax.psum_scatter(ct.astype(wide) / n, axis, scatter_dimension=0, tiled=True)
-  mean = mean_over((mean,), replicas)[0]  # the slice's all-reduce across replicas
-  # The bucket came in through `vary` over the replica axes, whose transpose sums the
-  # replicas' copies: each contributes its share.
-  copies = axis_size(replicas) if replicas else 1
-  return vary(mean / copies, axis_name).astype(ct.dtype), mean
+  return mean.astype(ct.dtype), mean
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _replicated(slices: Any, replicas: tuple[Any, ...]) -> Any:
+  """``slices`` typed as varying over ``replicas``; the backward pass averages their
+  gradient over the replicas, every bucket in one reduction at its end. Averaged in each
+  bucket's backward instead, the cross-node all-reduces land at the end anyway, and XLA
+  keeps more of the recomputed activations alive around them."""
+  return vary(slices, replicas)
+
+
+def _replicated_fwd(slices, replicas):
+  return _replicated(slices, replicas), None
+
+
+def _replicated_bwd(replicas, residuals, cts):
+  del residuals
+  leaves, tree = jax.tree.flatten(cts)
+  wide = mean_over(tuple(x.astype(wide_dtype(x.dtype)) for x in leaves), replicas)
+  return (tree.unflatten([w.astype(x.dtype) for w, x in zip(wide, leaves)]),)
+
+
+_replicated.defvjp(_replicated_fwd, _replicated_bwd)
 
 
 def _check_shards(shards: Any) -> None:

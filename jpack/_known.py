@@ -1,10 +1,7 @@
-"""The optax transformations jpack knows: where each may run, read from a table.
+"""The optax transformations jpack knows, by their update function: where each may run.
 
-A transformation is recognised by its update function (module and qualified name, as
-optax defines it), so no run is needed; what is not in the table is probed
-(`jpack._probe`). Wrappers (chain, masked, partition, inject_hyperparams, MultiSteps,
-apply_if_finite, ...) are read through: their verdict is the worst of their own and
-their inner transformations'.
+What is not in the table is probed (`jpack._probe`). Wrappers (chain, masked, MultiSteps,
+...) are read through: their verdict is the worst of their own and their inner ones'.
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ import types
 from typing import Any, Callable, NamedTuple
 
 import optax
-
-from jpack._labels import chain_parts
 
 OK, LEAVES, REFUSE = 0, 1, 2  # per target: runs there / needs whole leaves / refused
 
@@ -110,12 +105,11 @@ def key_of(tx: Any) -> tuple[str, str] | None:
 
 
 def parts(tx: Any, everywhere: bool = True) -> list[Part]:
-  """``tx`` and the transformations inside it, outermost first. A known wrapper is read
-  through (its closure's transformations); an unknown one is a part of its own."""
+  """``tx`` and the transformations inside a known wrapper (read through), outermost first."""
   key = key_of(tx)
   if key is None:
     return [Part(type(tx).__name__, None, tx)]
-  if key == _EXTRA_ARGS:  # optax.chain wraps each plain transformation it holds
+  if key == EXTRA_ARGS:  # optax.chain wraps each plain transformation it holds
     return parts(closure(tx.update)["tx"], everywhere)
   kind = _KINDS.get(key)
   found = [Part(public_name(*key), kind, tx, everywhere)]
@@ -138,8 +132,21 @@ def parts(tx: Any, everywhere: bool = True) -> list[Part]:
   return found
 
 
-_EXTRA_ARGS = key_of(optax.with_extra_args_support(
+EXTRA_ARGS = key_of(optax.with_extra_args_support(  # the wrapper's update
     optax.GradientTransformation(lambda p: None, lambda u, s, p=None: (u, s))))
+_CHAIN_CODE = optax.chain(optax.identity()).update.__code__  # every chain's update
+
+
+def chain_parts(tx: Any) -> tuple[optax.GradientTransformationExtraArgs, ...] | None:
+  """The transformations an `optax.chain` runs in turn, or None if ``tx`` is not one."""
+  update = getattr(tx, "update", None)
+  if getattr(update, "__code__", None) is not _CHAIN_CODE:
+    return None
+  updates = closure(update).get("update_fns")
+  inits = closure(getattr(tx, "init", None)).get("init_fns")
+  if updates is None or inits is None or len(updates) != len(inits):  # another optax
+    return None
+  return tuple(optax.GradientTransformationExtraArgs(i, u) for i, u in zip(inits, updates))
 
 
 def _transformations(values: list[Any]) -> list[Any]:
@@ -169,8 +176,7 @@ def injected(tx: Any) -> optax.GradientTransformation:
 
 
 def with_factory(tx: Any, wrap: Callable[[Any], Any]) -> optax.GradientTransformation:
-  """An `optax.inject_hyperparams` transformation whose inner is ``wrap(built)``: its
-  functions with another ``inner_factory`` (its state is unchanged)."""
+  """An `optax.inject_hyperparams` ``tx`` whose inner is ``wrap(built)``, same state."""
   factory = closure(tx.init)["inner_factory"]
 
   def rebuilt(fn):
@@ -184,24 +190,21 @@ def with_factory(tx: Any, wrap: Callable[[Any], Any]) -> optax.GradientTransform
 
 
 def requirement(part: Part, shapes: list[tuple[int, ...]]) -> str | None:
-  """Why optax itself cannot run ``part`` on leaves of ``shapes`` (and what to use), or
-  None: jpack names it where optax would raise a bare error from inside."""
+  """Why optax itself cannot run ``part`` on leaves of ``shapes``, and what to use; or None."""
   if part.name == "optax.scale_by_sm3" and any(len(s) == 0 for s in shapes):
     return ("optax's sm3 keeps statistics per dimension and raises IndexError on a scalar "
             "leaf. Keep scalars out of it: jpack.optax.partition({'sm3': optax.sm3(lr), "
             "'rest': optax.adam(lr)}, labels), with the scalar leaves labelled 'rest'.")
   if (part.name == "optax.contrib.scale_by_muon"
       and closure(part.tx.update).get("weight_dimension_numbers", 0) is None):
-    return ("without weight_dimension_numbers= optax's scale_by_muon raises a pytree-"
-            "structure ValueError on any params. Use optax.contrib.muon(lr), which runs it "
-            "on the matrices and adam on the other leaves, or pass "
-            "weight_dimension_numbers=.")
+    return ("without weight_dimension_numbers= optax's scale_by_muon raises a pytree-structure "
+            "ValueError on any params. Use optax.contrib.muon(lr), which runs it on the "
+            "matrices and adam on the other leaves, or pass weight_dimension_numbers=.")
   return None
 
 
 def public_name(module: str, qualname: str) -> str:
-  """``optax.scale_by_adam`` for ``scale_by_adam.<locals>.update_fn`` in
-  ``optax._src.transform``: its factory, under the shortest public module that has it."""
+  """The factory of an update function (``optax.scale_by_adam``), in a public module."""
   factory = qualname.split(".")[0]
   top = sys.modules.get(module.split(".")[0])
   spaces = [top] + [m for k, m in sorted(vars(top).items()) if isinstance(m, types.ModuleType)

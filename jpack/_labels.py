@@ -1,7 +1,5 @@
-"""How a user's optimizer runs over a tuple of buckets: labels (`partition`), extra
-update arguments, and `placed`, which runs the parts that buckets would change on the
-leaves (unpacked into the params tree, their updates packed back): of a chain, only
-those parts.
+"""How a user's optimizer runs over a tuple of buckets: labels (`partition`), extra update
+arguments, and `placed`, which runs the parts that buckets would change on the leaves.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jpack._known import chain_parts
 from jpack._layout import Layout, retyped
 from jpack._pack import Packed, pack, unpack
 
@@ -35,20 +34,16 @@ def group_fn_for(tree: Any, labels: Labels):
                               label_tree, tree)
   except (ValueError, TypeError):
     raise error from None
-  flat_labels = jax.tree.leaves(label_tree)
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  if len(flat_labels) != len(paths) or jax.tree.structure(label_tree) != jax.tree.structure(
-      jax.tree.map(lambda _: 0, tree)):
+  if jax.tree.structure(label_tree) != jax.tree.structure(jax.tree.map(lambda _: 0, tree)):
     raise error
-  by_path = dict(zip(paths, flat_labels))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  by_path = dict(zip(paths, jax.tree.leaves(label_tree)))
   return lambda path, leaf: by_path[path]
 
 
 def partition(transforms: Mapping[Any, optax.GradientTransformation],
               param_labels: Labels) -> optax.GradientTransformationExtraArgs:
-  """`optax.partition` that jpack can read: one transformation per label of the params.
-
-  It runs as `optax.partition` does, and jpack gives each label its own buckets.
+  """`optax.partition` that jpack can read: it gives each label its own buckets.
 
   Args:
     transforms: ``{label: transformation}``; ``optax.set_to_zero()`` freezes leaves.
@@ -77,15 +72,12 @@ class _Partition(optax.GradientTransformationExtraArgs):
 
   def __new__(cls, init, update, transforms, param_labels):
     self = super().__new__(cls, init, update)
-    self.transforms = transforms
-    self.param_labels = param_labels
+    self.transforms, self.param_labels = transforms, param_labels
     return self
 
 
 def split_partition(optimizer: Any) -> tuple[Inner, Labels]:
-  """``(inner, labels)``: a `partition`'s dict of transformations and its labels, or
-  ``(optimizer, None)``. A dict of transformations without labels is refused: its labels
-  come with `jpack.optax.partition`."""
+  """``(inner, labels)`` of a `partition`, or ``(optimizer, None)``; a bare dict is refused."""
   if isinstance(optimizer, _Partition):
     return optimizer.transforms, optimizer.param_labels
   if isinstance(optimizer, Mapping):
@@ -96,10 +88,8 @@ def split_partition(optimizer: Any) -> tuple[Inner, Labels]:
 
 
 def with_extra_args(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """``tx`` taking optax's extra update arguments (``value=`` for polyak_sgd or
-  reduce_on_plateau). `optax.with_extra_args_support` drops them for every plain
-  `GradientTransformation`, even one whose update takes ``**extra_args`` and passes them
-  on, as ``optax.MultiSteps(...).gradient_transformation()`` does: that one gets them."""
+  """``tx`` taking optax's extra update arguments (``value=`` for polyak_sgd), also where
+  `optax.with_extra_args_support` would drop them (an update taking ``**extra_args``)."""
   try:
     parameters = inspect.signature(tx.update).parameters.values()
   except (TypeError, ValueError):  # no signature to read (a builtin): assume the protocol
@@ -108,13 +98,11 @@ def with_extra_args(tx: optax.GradientTransformation) -> optax.GradientTransform
     return optax.GradientTransformationExtraArgs(tx.init, tx.update)
   if not isinstance(tx, optax.GradientTransformationExtraArgs):
     return optax.with_extra_args_support(tx)
-  # An update that names its extra arguments (optax.contrib.sam: grad_fn=) gets only
-  # those: a chain passes every transformation all of them (value= for the loss).
+  # An update that names its extra arguments (sam: grad_fn=) gets only those of a chain's.
   named = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
   def update(updates, state, params=None, **extra_args):
-    return tx.update(updates, state, params, **{k: v for k, v in extra_args.items()
-                                                if k in named})
+    return tx.update(updates, state, params, **{k: v for k, v in extra_args.items() if k in named})
 
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
@@ -122,36 +110,28 @@ def with_extra_args(tx: optax.GradientTransformation) -> optax.GradientTransform
 def multi_transform(transforms: Mapping[Any, optax.GradientTransformation],
                      labels: Any) -> optax.GradientTransformationExtraArgs:
   """`optax.multi_transform` whose transforms all receive the extra update arguments."""
-  return optax.multi_transform({k: with_extra_args(v) for k, v in transforms.items()},
-                               labels)
+  return optax.multi_transform({k: with_extra_args(v) for k, v in transforms.items()}, labels)
 
 
-def labelled(inner: Inner, layout: Layout) -> optax.GradientTransformationExtraArgs:
-  """``inner`` as one transformation over the tuple of buckets, taking optax's extra
-  update arguments (``value=`` for polyak_sgd or reduce_on_plateau) like a chain does."""
-  if not isinstance(inner, Mapping):
-    return with_extra_args(inner)
-  bucket_labels = tuple(b.group[1] for b in layout.buckets)
+def _keys(inner: Mapping[Any, Any], layout: Layout) -> dict[str, Any]:
+  """``inner``'s keys by their str (a layout keeps labels as str; the state, as in optax,
+  the user's keys), one for each bucket's label."""
+  bucket_labels = [b.group[1] for b in layout.buckets]
   missing = sorted({str(x) for x in bucket_labels} - {str(k) for k in inner})
   if missing:
-    hint = ""
-    if any(x is None for x in bucket_labels):
-      hint = (" Buckets labelled None come from a layout planned without a group_fn: a "
-              "Packed carries its own layout, so plan it with the labels (e.g. "
-              "jpack.plan(params, group_fn=lambda path, leaf: label_of[path])), or pass "
-              "the params as a tree to an optimizer made with jpack.optax.partition.")
-    raise ValueError(f"labels {missing} have no transformation; inner has "
-                     f"{sorted(inner)}.{hint}")
-  # A layout keeps labels as str (it is hashed and compared across processes); the state
-  # keeps the user's keys (True, 0, ...), as optax.multi_transform(inner, labels) does.
+    hint = (" Buckets labelled None come from a layout planned without a group_fn: a "
+            "Packed carries its own layout, so plan it with the labels (e.g. "
+            "jpack.plan(params, group_fn=lambda path, leaf: label_of[path])), or pass "
+            "the params as a tree to an optimizer made with jpack.optax.partition."
+            ) if any(x is None for x in bucket_labels) else ""
+    raise ValueError(f"labels {missing} have no transformation; inner has {sorted(inner)}.{hint}")
   key_of: dict[str, Any] = {}
   for k in inner:
     if str(k) in key_of:
       raise ValueError(f"labels {key_of[str(k)]!r} and {k!r} are the same label to a jpack "
                        "layout, which keeps labels as str: rename one.")
     key_of[str(k)] = k
-  return multi_transform(dict(inner),
-                          lambda buckets: tuple(key_of[str(x)] for x in bucket_labels))
+  return key_of
 
 
 def check_inner(inner: Inner, labels: Labels) -> None:
@@ -171,29 +151,6 @@ def check_inner(inner: Inner, labels: Labels) -> None:
                     f"jpack.optax.partition), got {type(inner).__name__}{hint}.")
 
 
-# -- parts that need the leaves ----------------------------------------------------------
-
-# The code of every `optax.chain`'s update: how a chain is told from other
-# transformations (its parts are in that function's closure).
-_CHAIN_CODE = optax.chain(optax.identity()).update.__code__
-
-
-def chain_parts(tx: Any) -> tuple[optax.GradientTransformationExtraArgs, ...] | None:
-  """The transformations an `optax.chain` runs in turn (as the chain holds them, taking
-  the extra update arguments), or None if ``tx`` is not a chain."""
-  update, init = getattr(tx, "update", None), getattr(tx, "init", None)
-  if getattr(update, "__code__", None) is not _CHAIN_CODE:
-    return None
-  try:
-    updates = inspect.getclosurevars(update).nonlocals["update_fns"]
-    inits = inspect.getclosurevars(init).nonlocals["init_fns"]
-  except (KeyError, TypeError):  # another optax: not split, run whole on the leaves
-    return None
-  if len(updates) != len(inits):
-    return None
-  return tuple(optax.GradientTransformationExtraArgs(i, u) for i, u in zip(inits, updates))
-
-
 def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | None],
            leaves: Callable[[Any, Layout], optax.GradientTransformationExtraArgs] | None = None,
            by_leaf: Callable[[Any], optax.GradientTransformationExtraArgs | None] = (
@@ -210,17 +167,20 @@ def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | Non
     by_leaf: ``tx`` computed on the buckets leaf by leaf, or None.
 
   Returns:
-    ``(tx, on_leaves, whole, by_leaf)``: ``tx`` on tuples of buckets, with ``inner``'s
-    state; the names of the parts run on the leaves; whether all of ``inner`` is; the
-    names of the parts computed leaf by leaf.
+    ``(tx, on_leaves, whole, by_leaf)``: ``tx`` on buckets with ``inner``'s state, the names
+    of the parts run on the leaves, whether all of it is, the names computed leaf by leaf.
   """
-  culprit = needs_leaves(inner)
+  culprit, run = needs_leaves(inner), leaves or on_leaves
+  if isinstance(inner, Mapping):  # each bucket's (or leaf's) transformation, by the labels
+    key_of = _keys(inner, layout)
+    if culprit is None:
+      return multi_transform(dict(inner), lambda buckets: tuple(
+          key_of[str(b.group[1])] for b in layout.buckets)), (), False, ()
+    labels = layout.treedef.unflatten(
+        [key_of[str(layout.buckets[s.bucket].group[1])] for s in layout.slots])
+    return run(multi_transform(dict(inner), labels), layout), (culprit,), True, ()
   if culprit is None:
-    return labelled(inner, layout), (), False, ()
-  run = leaves or on_leaves
-  if isinstance(inner, Mapping):  # each leaf's transformation, by the labels
-    return run(multi_transform(dict(inner), leaf_labels(inner, layout)), layout), (
-        culprit,), True, ()
+    return with_extra_args(inner), (), False, ()
   swapped = by_leaf(inner)
   if swapped is not None:
     return swapped, (), False, (culprit,)
@@ -229,37 +189,20 @@ def placed(inner: Inner, layout: Layout, needs_leaves: Callable[[Any], str | Non
     return run(inner, layout), (culprit,), True, ()
   steps, names, computed = [], [], []
   for part in parts:
-    found = needs_leaves(part)
-    swapped = None if found is None else by_leaf(part)
-    if swapped is not None:
-      steps.append((swapped, False))
-      computed.append(found)
-    elif found is not None and chain_parts(part) is None:
-      # Whole on the leaves: on the params tree it takes the tree itself, so
-      # consecutive such parts pass it on without packing in between.
-      steps.append((part, True) if leaves is None else (leaves(part, layout), False))
-      names.append(found)
-    else:
-      tx, inside, _, inside_computed = placed(part, layout, needs_leaves, leaves, by_leaf)
-      steps.append((tx, False))
-      names += inside
-      computed += inside_computed
+    tx, inside, whole, inside_computed = placed(part, layout, needs_leaves, leaves, by_leaf)
+    # A part whole on the leaves takes the params tree itself (not ZeRO-1's owned leaves):
+    # consecutive such parts pass it on without packing in between.
+    steps.append((part, True) if whole and leaves is None else (tx, False))
+    names += inside
+    computed += inside_computed
   if not names and not computed:  # each part passes, the whole does not: no split to trust
     return run(inner, layout), (culprit,), True, ()
   return in_turn(steps, layout), tuple(names), False, tuple(computed)
 
 
-def leaf_labels(inner: Mapping[Any, Any], layout: Layout) -> Any:
-  """The params tree of each leaf's key in ``inner``, from its bucket's label."""
-  key_of = {str(k): k for k in inner}
-  return layout.treedef.unflatten(
-      [key_of[str(layout.buckets[s.bucket].group[1])] for s in layout.slots])
-
-
 def on_leaves(tx: optax.GradientTransformation,
               layout: Layout) -> optax.GradientTransformationExtraArgs:
-  """``tx`` run on the params tree of the buckets it is given: its state is ``tx``'s
-  on the tree, its updates are packed back into buckets."""
+  """``tx`` run on the params tree of the buckets (its state ``tx``'s on the tree)."""
   tx = with_extra_args(tx)
 
   def init_fn(buckets):
@@ -275,29 +218,22 @@ def on_leaves(tx: optax.GradientTransformation,
 
 def in_turn(steps: Sequence[tuple[optax.GradientTransformationExtraArgs, bool]],
             layout: Layout) -> optax.GradientTransformationExtraArgs:
-  """`optax.chain` of ``steps``, each ``(tx, takes_tree)``: ``tx`` on the params tree
-  or on the tuple of buckets. The updates are unpacked or packed only where the next
-  step wants the other form. The state is the chain's: a tuple of the steps' states."""
+  """`optax.chain` of ``steps``, each ``(tx, takes_tree)``: on the params tree or the
+  buckets, the updates unpacked or packed only where the next step wants the other form."""
+  trees = any(takes_tree for _, takes_tree in steps)
 
   def init_fn(buckets):
-    tree = None
-    states = []
-    for tx, takes_tree in steps:
-      if takes_tree and tree is None:
-        tree = to_tree(buckets, layout)
-      states.append(tx.init(tree if takes_tree else buckets))
-    return tuple(states)
+    tree = to_tree(buckets, layout) if trees else None
+    return tuple(tx.init(tree if takes_tree else buckets) for tx, takes_tree in steps)
 
   def update_fn(updates, state, params=None, **extra_args):
-    as_tree, tree_params, new_state = False, None, []
+    as_tree, new_state = False, []
+    tree_params = None if params is None or not trees else to_tree(params, layout)
     for (tx, takes_tree), s in zip(steps, state):
       if takes_tree != as_tree:
         updates = to_tree(updates, layout) if takes_tree else to_buckets(updates, layout)
         as_tree = takes_tree
-      if takes_tree and tree_params is None and params is not None:
-        tree_params = to_tree(params, layout)
-      updates, s = tx.update(updates, s, tree_params if takes_tree else params,
-                             **extra_args)
+      updates, s = tx.update(updates, s, tree_params if takes_tree else params, **extra_args)
       new_state.append(s)
     return (to_buckets(updates, layout) if as_tree else updates), tuple(new_state)
 
@@ -305,11 +241,8 @@ def in_turn(steps: Sequence[tuple[optax.GradientTransformationExtraArgs, bool]],
 
 
 def updates_dtype(given: Any, returned: Mapping[int, Any], layout: Layout) -> np.dtype:
-  """The dtype a bucket of ``given`` dtype takes the updates in that a transformation
-  returned for its leaves (``returned``: slot index -> update): ``given``, or the
-  widest float among them (float32 updates for bfloat16 params, as optax returns for a
-  float32 hyperparameter; `optax.apply_updates` would add them so). Any other change of
-  dtype is refused with the leaves it concerns."""
+  """A bucket's dtype for updates ``returned`` (slot index -> update): ``given``, or their
+  widest float (as `optax.apply_updates` adds them); any other change is refused."""
   given = np.dtype(given)
   got = {j: np.dtype(jnp.result_type(x)) for j, x in returned.items()}
   if set(got.values()) <= {given}:
@@ -325,8 +258,7 @@ def updates_dtype(given: Any, returned: Mapping[int, Any], layout: Layout) -> np
 
 
 def to_tree(buckets: Sequence[Any], layout: Layout) -> Any:
-  """The params tree of ``buckets`` of ``layout``, each leaf in its bucket's dtype (the
-  masters', or wider updates than the params')."""
+  """The params tree of ``buckets`` of ``layout``, each leaf in its bucket's dtype."""
   dtypes = [np.dtype(b.dtype) for b in buckets]
   if dtypes != [b.dtype for b in layout.buckets]:
     layout = retyped(layout, dtypes)
@@ -334,11 +266,7 @@ def to_tree(buckets: Sequence[Any], layout: Layout) -> Any:
 
 
 def to_buckets(tree: Any, layout: Layout) -> tuple[Any, ...]:
-  """``tree`` (updates a transformation returned on the leaves) packed into the buckets
-  of ``layout``. A bucket whose leaves came back in wider floats (float32 updates for
-  bfloat16 params, as optax returns for a float32 hyperparameter) is packed in the
-  widest of them, as `optax.apply_updates` would add them; any other change of dtype is
-  refused with the leaves it concerns."""
+  """``tree`` (updates returned on the leaves) packed into buckets of `updates_dtype`."""
   leaves = layout.treedef.flatten_up_to(tree)
   dtypes = [updates_dtype(bucket.dtype, {j: leaves[j] for j in bucket.slots}, layout)
             for bucket in layout.buckets]

@@ -107,7 +107,7 @@ def _fill(leaves: Any, layout: Layout) -> Packed:
         leaf = jax.random.key_data(leaf)
       flat.append(leaf if np.ndim(leaf) == 1 else lax.reshape(leaf, (np.size(leaf),)))
     flats.append(tuple(flat))
-  concats = [functools.partial(_concat_with_gaps, starts=_starts(layout, b), size=b.size,
+  concats = [functools.partial(concat_with_gaps, starts=_starts(layout, b), size=b.size,
                                dtype=storage_dtype(b.dtype)) for b in layout.buckets]
 
   def plain(flats):
@@ -129,7 +129,7 @@ def _starts(layout: Layout, bucket: Any) -> tuple[int, ...]:
   return tuple(layout.slots[j].offset for j in bucket.slots)
 
 
-def _concat_with_gaps(flat: tuple[Any, ...], starts: tuple[int, ...], size: int, dtype: Any,
+def concat_with_gaps(flat: tuple[Any, ...], starts: tuple[int, ...], size: int, dtype: Any,
                       concatenate: Callable[..., Any] = lambda xs: lax.concatenate(xs, 0)) -> Any:
   """The bucket as one concatenate of the 1-D leaves and zero gaps."""
   zeros: dict[int, Any] = {}  # gaps take few distinct sizes: one zeros array per size
@@ -212,7 +212,7 @@ def _slices(layout: Layout, buckets: tuple[Any, ...], split: Callable[..., list[
     end = 0
     for j in bucket.slots:
       slot = layout.slots[j]
-      if not slot.size:  # kept out of the split: see _concat_with_gaps
+      if not slot.size:  # kept out of the split: see concat_with_gaps
         empty.append(j)
         continue
       if slot.offset > end:

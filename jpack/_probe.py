@@ -1,15 +1,8 @@
 """The optimizer check: where an optax transformation may run on buckets or slices.
 
-`checker` reads a transformation's parts from the table of known ones (`jpack._known`).
-A part not in the table runs on the leaves where every device holds the whole gradient
-(buckets, or ZeRO-1 first trying slices), which is optax's own computation. On each
-device's own leaves (ZeRO-1) it is probed once per process: ``init`` and three
-``update`` calls on a miniature of the params (float64, a scale per leaf, a 1024 times
-larger second gradient, a NaN in the third), on the tree and on two simulated devices
-that own alternate leaves, compared leaf by leaf, state too. Elsewhere it is only traced,
-to refuse a collective over an axis that is already reduced. The runs go in a worker
-thread (its own trace, no bound axis, 64-bit types). What random values never trigger
-is not seen.
+`checker` reads a transformation's parts from the table in `jpack._known`. A part not in it
+runs on the leaves of buckets or slices (traced to refuse a collective); on each device's
+own leaves (ZeRO-1) it is probed once per process on a miniature of the params.
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ from jpack._known import requirement
 from jpack._labels import with_extra_args
 from jpack._layout import Layout
 
-_ON = ("buckets", "slices", "owned", "owned_unit", "tree")
 _TARGETS = {"buckets": "buckets (1-D arrays that mix many leaves)",
             "slices": "each device's slice of the buckets",
             "owned": "each device's own whole leaves (the others left empty)",
@@ -42,7 +34,6 @@ _VALUES, _BOOST, _RTOL = (1.7, 1.3, 1.5), 1024.0, 1e-9
 
 
 class _Refusal(NamedTuple):
-  name: str
   reason: str
   advice: str | None = None  # None: the caller's alternatives
   cause: BaseException | None = None
@@ -50,7 +41,7 @@ class _Refusal(NamedTuple):
 
 def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
             instead: str = _ALLREDUCE) -> Callable[..., str | None]:
-  """``check(layout, name=None)``: where ``inner`` may run for params of ``layout``.
+  """``check(layout, name=None)``: where ``inner`` may run on params of ``layout``.
 
   Args:
     inner: an optax transformation, or a dict ``{label: transformation}``.
@@ -60,24 +51,22 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
     instead: for messages: what runs the optimizer on the params tree.
 
   Returns:
-    ``check``, which returns None where ``inner`` runs as is, on buckets or slices the
-    name of the part that needs the leaves, and raises `TypeError` where it cannot run
-    (``name`` replaces the transformation named).
+    ``check``: None where ``inner`` runs as is; on buckets or slices, the name of a part
+    that needs the leaves; a `TypeError` where it cannot run (naming ``name`` if given).
   """
-  if on not in _ON:
-    raise ValueError(f"on must be one of {_ON}, got {on!r}.")
+  if on not in _TARGETS:
+    raise ValueError(f"on must be one of {tuple(_TARGETS)}, got {on!r}.")
   default = (f"Use jpack.optax.partition(transforms, labels) for masks (optax."
              f"clip_by_global_norm runs in every mode), or {instead}.")
   if on.startswith("owned"):
-    default = ("ZeRO-1 (jpack.optax.sharded, data_parallel(mode='sharded')) runs a "
-               "transformation that needs whole leaves on each device's own leaves, but this "
-               "one needs more than a device's own leaves. Use mode='packed' or "
-               "jpack.optax.flat, which run it on all the leaves and give optax's result.")
+    default = ("ZeRO-1 (jpack.optax.sharded, mode='sharded') runs it on each device's own whole "
+               "leaves, but it needs more than a device's own leaves. Use mode='packed' or "
+               "jpack.optax.flat, which run it on all the leaves as optax does.")
   items = inner.items() if isinstance(inner, Mapping) else [(None, inner)]
   found = [(label, part) for label, tx in items for part in parts(tx)]
 
   def check(layout: Layout, name: str | None = None) -> str | None:
-    worst, culprit = OK, None
+    culprit = None  # the first part that needs the leaves (only ever on buckets or slices)
     for label, part in found:
       slots = [s for s in layout.slots
                if label is None or str(layout.buckets[s.bucket].group[1]) == str(label)]
@@ -85,12 +74,11 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
       if why:
         raise TypeError(f"{name or part.name} cannot run {where}: {why}")
       outcome, refusal = _outcome(part, slots, on)
-      if outcome > worst:
-        worst, culprit = outcome, refusal or _Refusal(part.name, "")
-    if worst == OK or (worst == LEAVES and on in ("buckets", "slices")):
-      return None if culprit is None else culprit.name
-    raise TypeError(f"{name or culprit.name} cannot run {where}: {culprit.reason} "
-                    f"{culprit.advice or default}") from culprit.cause
+      if outcome == REFUSE:
+        raise TypeError(f"{name or part.name} cannot run {where}: {refusal.reason} "
+                        f"{refusal.advice or default}") from refusal.cause
+      culprit = culprit or (part.name if outcome == LEAVES else None)
+    return culprit
 
   return check
 
@@ -98,13 +86,13 @@ def checker(inner: Any, *, on: str, where: str, axis_name: Any = None,
 def _outcome(part: Part, slots: list, on: str) -> tuple[int, Any]:
   """(OK, LEAVES or REFUSE, the refusal) of ``part`` on ``on``."""
   if part.kind is COLLECTIVE:
-    return REFUSE, _collective(part.name, on, None)
+    return REFUSE, _collective(on, None)
   if part.kind is not None:
     reason = ("it reduces over or divides by a leaf's dims" if part.kind.owned_unit == OK
               else "it reads statistics of the whole gradient (or of several leaves), "
               "which a device that owns only some leaves does not have")
     outcome = getattr(part.kind, on)
-    return outcome, _Refusal(part.name, f"on {_TARGETS[on]}, {reason}.") if outcome else None
+    return outcome, _Refusal(f"on {_TARGETS[on]}, {reason}.")
   spec = _miniature(slots)
   if not spec:
     return OK, None
@@ -123,9 +111,8 @@ class Recent:
   """Values kept for the process, the least recently used dropped beyond ``limit``."""
 
   def __init__(self, limit: int):
-    self.limit = limit
+    self.limit, self.lock = limit, threading.Lock()
     self.kept: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    self.lock = threading.Lock()
 
   def get(self, keys: tuple[Any, ...]) -> tuple[bool, Any]:
     with self.lock:
@@ -146,8 +133,7 @@ _VERDICTS = Recent(64)
 
 
 def identity(inner: Any) -> Any:
-  """A hashable stand-in for ``inner`` equal only to itself (its ``init`` and
-  ``update`` by identity, kept alive by the key); a dict of them: its items."""
+  """A hashable stand-in for ``inner`` (or a dict of them) equal only to itself."""
   if isinstance(inner, Mapping):
     return tuple((label, identity(tx)) for label, tx in inner.items())
   init, update = getattr(inner, "init", None), getattr(inner, "update", None)
@@ -161,8 +147,7 @@ def described(inner: Any) -> str:
 
 
 def refused(error: BaseException, inner: Any, where: str, when: str) -> TypeError:
-  """The `TypeError` for an ``error`` that ``inner`` raised in ``when`` on the real
-  params, naming the innermost transformation that raised and what to do."""
+  """The `TypeError` for ``error`` from ``inner``'s ``when``, naming the part that raised."""
   name, tb = described(inner), error.__traceback__
   while tb is not None:  # jpack._labels only runs the user's transformations
     code, module = tb.tb_frame.f_code, tb.tb_frame.f_globals.get("__name__", "")
@@ -178,45 +163,38 @@ def refused(error: BaseException, inner: Any, where: str, when: str) -> TypeErro
       "if it runs there, please report this with the optimizer.")
 
 
-def _collective(name: str, on: str, error: BaseException | None) -> _Refusal:
+def _collective(on: str, error: BaseException | None) -> _Refusal:
   if on.startswith("owned") or on == "slices":
-    return _Refusal(name, (
+    return _Refusal((
         "it runs a collective over a mesh axis, and on ZeRO-1 each device runs the "
         "optimizer on its own part of the gradient, which jpack.optax.sharded has "
         "reduce-scattered itself: a second reduce adds up different parts."),
-        "Reduce nothing inside jpack.optax.sharded; clip by the global norm with "
-        "optax.clip_by_global_norm(max_norm) in the chain, which jpack computes on the "
-        "slices.", error)
-  return _Refusal(name, (
+        "Reduce nothing inside jpack.optax.sharded; optax.clip_by_global_norm(max_norm) in "
+        "the chain clips by the global norm, which jpack computes on the slices.", error)
+  return _Refusal((
       "it runs a collective over a mesh axis, but it would run on gradients that are "
       "already reduced, which every device holds whole."),
-      "Reduce before the optimizer instead: optax.chain(jpack.optax.allreduce("
-      "axis_name), jpack.optax.flat(optimizer)), or jpack.optax.sharded(optimizer, "
-      "axis_name) for ZeRO-1.", error)
-
-
-# -- the probe of a part not in the table ----------------------------------------------
+      "Reduce before the optimizer instead: optax.chain(jpack.optax.allreduce(axis_name), "
+      "jpack.optax.flat(optimizer)), or jpack.optax.sharded(optimizer, axis_name) for ZeRO-1.",
+      error)
 
 
 def _probe(part: Part, spec: tuple, on: str) -> tuple[int, Any]:
-  """A part not in the table: on buckets and slices it runs on the leaves (optax's own
-  computation); on each device's own leaves it must give the tree's result."""
-  tx, mini = with_extra_args(part.tx), _build(spec)
-  error = None
+  """The outcome of a part not in the table (on owned leaves: the tree's result or refused)."""
+  tx, mini, want, error = with_extra_args(part.tx), _build(spec), None, None
   for extra in (False, True):  # value= (a loss) only if it needs one
     try:
       want = _run(tx, *mini, extra, abstract=not on.startswith("owned"))
       break
     except NameError as e:  # an unbound axis: a collective
-      return REFUSE, _collective(part.name, on, e)
+      return REFUSE, _collective(on, e)
     except Exception as e:  # noqa: BLE001 - it needs what only the real params have
       error = error or e
-  else:
-    return {"tree": (OK, None), "buckets": (LEAVES, None), "slices": (LEAVES, None)}.get(
-        on, (REFUSE, _Refusal(part.name, f"on a small params tree of its own it raised "
-                              f"{type(error).__name__}: {str(error)[:200]}.", None, error)))
-  if not on.startswith("owned"):
+  if not on.startswith("owned"):  # it runs on the leaves: optax's own computation
     return (OK if on == "tree" else LEAVES), None
+  if want is None:
+    return REFUSE, _Refusal(f"on a small params tree of its own it raised "
+                            f"{type(error).__name__}: {str(error)[:200]}.", None, error)
   keys = sorted(mini[0])
   for d in range(_DEVICES):  # device d owns every other leaf, the rest are stand-ins
     others = {k for i, k in enumerate(keys) if i % _DEVICES != d}
@@ -224,21 +202,20 @@ def _probe(part: Part, spec: tuple, on: str) -> tuple[int, Any]:
                       if k in others else x for k, x in t.items()}
     try:
       got = _run(tx, mine(mini[0]), tuple(map(mine, mini[1])), extra)
-    except NameError as e:
-      return REFUSE, _collective(part.name, on, e)
-    except Exception as e:  # noqa: BLE001 - named in the refusal
-      return REFUSE, _Refusal(part.name, f"on {_TARGETS[on]} it raised {e!r:.200}.", None, e)
+    except Exception as e:  # noqa: BLE001 - named in the refusal (NameError: a collective)
+      return REFUSE, (_collective(on, e) if isinstance(e, NameError)
+                      else _Refusal(f"on {_TARGETS[on]} it raised {e!r:.200}.", None, e))
     found = _compare(want, got, others, dict(zip(keys, (path for path, _, _ in spec))))
     if found:
-      return REFUSE, _Refusal(part.name, (
+      return REFUSE, _Refusal((
           f"on {_TARGETS[on]}, {found}, compared with the params tree (a probe of three "
           "updates on random values). It reads more than each leaf on its own."))
   return OK, None
 
 
 def _miniature(slots: list) -> tuple:
-  """Per dtype, up to three leaves (the largest of each rank first), their two largest
-  dims cut to 128 (optax factors from 128 on) and the others to 4."""
+  """Per dtype, up to three leaves (the largest of each rank first), their two largest dims
+  cut to 128 (optax factors from 128 on), the others to 4."""
   by_dtype: dict[Any, list] = {}
   for s in sorted(slots, key=lambda s: -s.size):
     if s.size and not is_key_dtype(s.dtype):
@@ -256,8 +233,7 @@ def _miniature(slots: list) -> tuple:
 
 
 def _build(spec: tuple) -> tuple[dict, tuple]:
-  """Params and three gradients: a scale per leaf, the second 1024 times larger, a NaN
-  in the third."""
+  """Params and three gradients: the second 1024 times larger, a NaN in the third."""
   rng = np.random.default_rng(0)
 
   def random(boost=1.0):
@@ -270,16 +246,14 @@ def _build(spec: tuple) -> tuple[dict, tuple]:
     return out
 
   grads = (random(), random(_BOOST), random())
-  for k, x in grads[2].items():
-    if x.dtype.kind in "fc":
-      x.reshape(-1)[0] = np.nan
-      break
+  inexact = [x for x in grads[2].values() if x.dtype.kind in "fc"]
+  if inexact:
+    inexact[0].reshape(-1)[0] = np.nan
   return random(), grads
 
 
 def _in_worker(fn: Callable[[], Any]) -> Any:
-  """``fn()`` in a fresh thread on the CPU, with 64-bit types: no trace or bound axis of
-  the caller's reaches it."""
+  """``fn()`` in a fresh thread on the CPU with 64-bit types, out of the caller's trace."""
   try:
     device = jax.local_devices(backend="cpu")[0]
   except RuntimeError:  # no CPU backend: the default device
@@ -294,8 +268,7 @@ def _in_worker(fn: Callable[[], Any]) -> Any:
 
 
 def _run(tx: Any, params: dict, grads: tuple, extra: bool, abstract: bool = False) -> Any:
-  """``init`` and one ``update`` per gradient, applying each, jitted (``abstract``: only
-  traced): (updates per step, the last state), PRNG keys as their data."""
+  """(updates per step, last state) of ``init`` and an ``update`` per gradient, jitted."""
 
   def steps(params, grads):
     state, out = tx.init(params), []
@@ -313,33 +286,27 @@ def _run(tx: Any, params: dict, grads: tuple, extra: bool, abstract: bool = Fals
 
 
 def _compare(want: Any, got: Any, others: set, shown: dict[str, str]) -> str | None:
-  """Where ``got`` (updates per step, final state) differs from ``want``, leaving out
-  what belongs to the leaves in ``others``; None where it does not."""
-  def mine(tree):  # another device's leaves (a path through their key) masked out
-    return jax.tree_util.tree_map_with_path(lambda p, x: optax.MaskedNode() if any(
-        getattr(k, "key", None) in others for k in p) else x, tree)
-
-  for k, (a, b) in enumerate(zip(want[0], got[0])):
-    found = _difference(mine(a), mine(b), f"update {k + 1}", shown)
-    if found:
-      return found
-  if jax.tree.structure(want[1]) != jax.tree.structure(got[1]):
-    return None  # decided by the stand-ins' shapes: what differs shows in the updates
-  return _difference(mine(want[1]), mine(got[1]), "the final state", shown)
-
-
-def _difference(want: Any, got: Any, what: str, shown: dict[str, str]) -> str | None:
+  """Where ``got`` (updates per step, final state) differs from ``want`` outside ``others``."""
   leaf = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
-  a, a_def = jax.tree_util.tree_flatten_with_path(want, is_leaf=leaf)
-  b, b_def = jax.tree_util.tree_flatten_with_path(got, is_leaf=leaf)
-  if a_def != b_def:
-    return f"{what} has another structure ({len(b)} arrays where the tree's has {len(a)})"
-  for (path, x), (_, y) in zip(a, b):
-    found = (None if leaf(x) and leaf(y) else "is masked on one side only" if leaf(x) or leaf(y)
-             else _mismatch(np.asarray(x), np.asarray(y)))
-    if found:
-      return what + "".join(shown.get(getattr(k, "key", None)) or jax.tree_util.keystr((k,))
-                            for k in path) + f" {found}"
+
+  def mine(tree):  # another device's leaves (a path through their key) masked out
+    return jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_map_with_path(
+        lambda p, x: optax.MaskedNode() if any(getattr(k, "key", None) in others for k in p)
+        else x, tree), is_leaf=leaf)
+
+  pairs = [(f"update {k + 1}", a, b) for k, (a, b) in enumerate(zip(want[0], got[0]))]
+  if jax.tree.structure(want[1]) == jax.tree.structure(got[1]):  # else shaped by stand-ins
+    pairs.append(("the final state", want[1], got[1]))
+  for what, tree_a, tree_b in pairs:
+    (a, a_def), (b, b_def) = mine(tree_a), mine(tree_b)
+    if a_def != b_def:
+      return f"{what} has another structure ({len(b)} arrays where the tree's has {len(a)})"
+    for (path, x), (_, y) in zip(a, b):
+      found = (None if leaf(x) and leaf(y) else "is masked on one side only"
+               if leaf(x) or leaf(y) else _mismatch(np.asarray(x), np.asarray(y)))
+      if found:
+        return what + "".join(shown.get(getattr(k, "key", None)) or jax.tree_util.keystr((k,))
+                              for k in path) + f" {found}"
   return None
 
 
@@ -350,13 +317,10 @@ def _mismatch(a: np.ndarray, b: np.ndarray) -> str | None:
   if not (a.dtype.kind in "fc" or b.dtype.kind in "fc"):
     return None if np.array_equal(a, b) else "differs"
   a, b = a.astype(np.complex128), b.astype(np.complex128)
-  if not np.array_equal(np.isnan(a), np.isnan(b)):
-    return "is NaN where the params tree's is not (or the other way round)"
-  infinite = np.isinf(a) | np.isinf(b)
-  if not np.array_equal(a[infinite], b[infinite]):
-    return "is infinite where the params tree's is not (or the other way round)"
-  finite = np.isfinite(a)
-  err = float(np.max(np.abs(a[finite] - b[finite]), initial=0.0))
-  scale = float(np.max(np.abs(a[finite]), initial=0.0))
+  special = ~(np.isfinite(a) & np.isfinite(b))
+  if not np.array_equal(a[special], b[special], equal_nan=True):
+    return "is NaN or infinite where the params tree's is not (or the other way round)"
+  err = float(np.max(np.abs(a[~special] - b[~special]), initial=0.0))
+  scale = float(np.max(np.abs(a[~special]), initial=0.0))
   return None if err <= _RTOL * scale else (
       f"differs by up to {err:.3g} (the largest magnitude there is {scale:.3g})")

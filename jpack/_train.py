@@ -380,6 +380,24 @@ def _packed_on_host(params: Any, layout: Layout, host_packed: bool) -> Any:
   return Packed(tuple(buckets), layout)
 
 
+def _traced_once(local_init: Callable[..., Any]) -> Callable[..., Any]:
+  """``local_init`` traced once per argument types, then replayed: the state's shapes
+  and ``init`` both trace it, and ZeRO-1's owned leaves trace the optimizer per device."""
+  traced: dict[Any, Any] = {}
+
+  def replay(params, model_state=None):
+    leaves, tree = jax.tree.flatten((params, model_state))
+    key = (tree, tuple(jax.typeof(x) for x in leaves))
+    if key not in traced:
+      traced[key] = jax.make_jaxpr(lambda *xs: local_init(*tree.unflatten(xs)),
+                                   return_shape=True)(*leaves)
+    closed, shapes = traced[key]
+    outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+  return replay
+
+
 def _packed_like(layout: Layout) -> Packed:
   return Packed(tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in layout.buckets),
                 layout)
@@ -390,6 +408,7 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
   """`DataParallel` running the per-device functions under `jax.shard_map`: the state
   replicated over the mesh (ZeRO-1 slices split over it), the batch split over it."""
   replicated = NamedSharding(mesh, P())
+  local_init = _traced_once(local_init)
   state_shapes = jax.eval_shape(
       jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
       _packed_like(layout) if host_packed else
@@ -398,7 +417,8 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
   # The model state is replicated, whatever its structure (known only at init).
   state_specs = _state_specs(state_shapes, axis_name, mode)._replace(model_state=P())
 
-  init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=state_specs))
+  init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=state_specs,
+                                  check_vma=False))
   step_sm = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(axis_name)),
                                   out_specs=(state_specs, P())), donate_argnums=0,
                     compiler_options=compiler_options or None)

@@ -1,9 +1,8 @@
 """``python -m benchmarks <name> [options]``: the one command line of the benchmarks.
 
 Each benchmark is a module ``benchmarks.<name>`` of data (its models and variants) and a
-``run(opts, report)``; this checks the options against that data before anything runs,
-sets up the devices, and writes ``benchmarks/results/<name>.json``. ``render`` writes
-the figures in README.md and docs/ from the results.
+``run(opts, report)``; this checks the options against that data, sets up the devices,
+and writes ``benchmarks/results/<name>.json``, from which ``render`` fills the docs.
 """
 
 import argparse
@@ -19,23 +18,18 @@ from benchmarks import BENCHMARKS
 EPILOG = "names are comma-separated; each benchmark's models and variants: --list"
 
 
-def _positive(kind: type) -> Any:
+def _positive(kind: type, most: float = float("inf")) -> Any:
+  """An argparse type: ``kind(text)`` in (0, ``most``]."""
   def parse(text: str) -> Any:
     try:
       value = kind(text)
     except ValueError:
       raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-      raise argparse.ArgumentTypeError(f"must be {'>= 1' if kind is int else '> 0'}, got {text}")
+    if not 0 < value <= most:
+      bound = ">= 1" if kind is int else "> 0" if most == float("inf") else f"in (0, {most:g}]"
+      raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
     return value
   return parse
-
-
-def _fraction(text: str) -> float:
-  value = _positive(float)(text)
-  if value > 1:
-    raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-  return value
 
 
 def _names(text: str) -> list[str]:
@@ -65,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=_positive(int), help="calls per timed round")
   p.add_argument("--devices", type=_positive(int), help="devices on the data-parallel axis")
   p.add_argument("--batch", type=_positive(int), help="rows per device")
-  p.add_argument("--scale", type=_fraction,
+  p.add_argument("--scale", type=_positive(float, most=1),
                  help="optimizer: every leaf's largest dimension times this, in (0, 1]")
   p.add_argument("--max-leaves", type=_positive(int), help="leaves kept per workload")
   p.add_argument("--max-elements", type=_positive(int), help="elements kept per workload")

@@ -115,10 +115,9 @@ def bench_mode(mode: str, steps: int, rounds: int, root: pathlib.Path) -> tuple[
   loops = {k: Loop(dp, None, batch, k, root / f"{mode}-{k}") for k in LOOPS}
 
   def call(kind: str) -> Any:
-    loop = loops[kind]
-    loop.state = warm.state  # the loops take turns on one state: donated, passed on
-    out = loop(steps)
-    warm.state = loop.state
+    loops[kind].state = warm.state  # the loops take turns on one state: donated, passed on
+    out = loops[kind](steps)
+    warm.state = loops[kind].state
     return out
 
   timings = h.time_rounds({k: lambda k=k: call(k) for k in LOOPS}, rounds, warmup=0,

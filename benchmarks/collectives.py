@@ -3,6 +3,7 @@ the floor (one array of the tree's bytes). Each variant is timed in rounds with 
 baselines; a "vs" ratio is paired by rounds. The sweep replans resnet50's buckets.
 """
 
+import collections
 import math
 import statistics
 from typing import Any, Callable
@@ -11,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,13 +55,9 @@ def _local(tree: Any) -> Any:
 
 def bodies(layout: jpack.Layout) -> dict[str, tuple[Callable, Any]]:
   """Variant -> (shard_map body over the tree, out_specs)."""
-  def ravel(t):
-    flat, unravel = ravel_pytree(_local(t))
-    return unravel(lax.pmean(flat, AXIS))
-
   by = lambda method: lambda t: reduce(_local(t), AXIS, mean=True, layout=layout, method=method)
   return {"per_leaf": (lambda t: jax.tree.map(lambda x: lax.pmean(x, AXIS), _local(t)), P()),
-          "ravel": (ravel, P()), "jpack_psum": (by("psum"), P()),
+          "ravel": (lambda t: h.ravel_pmean(_local(t)), P()), "jpack_psum": (by("psum"), P()),
           "jpack_sg": (by("scatter_gather"), P()),
           "jpack_bf16": (lambda t: jpack.pmean(_local(t), AXIS, layout=layout,
                                                comm_dtype=jnp.bfloat16), P()),
@@ -87,10 +83,9 @@ def bench_workload(mesh, w: h.Workload, variants: list[str], rounds: int
   rng = np.random.default_rng(1)
   single = h.place(h.random_numpy((DEVICES, w.nbytes // 4), np.float32, rng), sharding)
   specs["floor"] = (lambda x: lax.pmean(_local(x), AXIS), P(), single)
-  per_dtype: dict[Any, int] = {}
+  per_dtype = collections.Counter()  # bytes of each dtype
   for s in w.shapes.values():
-    per_dtype[np.dtype(s.dtype)] = per_dtype.get(np.dtype(s.dtype), 0) + math.prod(
-        s.shape) * np.dtype(s.dtype).itemsize
+    per_dtype[np.dtype(s.dtype)] += math.prod(s.shape) * np.dtype(s.dtype).itemsize
   if set(per_dtype) != {np.dtype(np.float32)}:
     arrays = [h.place(h.random_numpy((DEVICES, n // d.itemsize), d, rng), sharding)
               for d, n in per_dtype.items()]
@@ -122,18 +117,6 @@ def bench_workload(mesh, w: h.Workload, variants: list[str], rounds: int
   return {k: res[k] for k in VARIANTS if k in res}, layout
 
 
-def bucket_sweep(mesh, w: h.Workload, sizes_mib: tuple[int, ...], rounds: int) -> list[tuple]:
-  tree = h.random_tree(w.shapes, seed=0, lead=DEVICES, sharding=NamedSharding(mesh, P(AXIS)))
-  out = []
-  for mib in sizes_mib:
-    layout = jpack.plan(w.shapes, num_shards=DEVICES, bucket_bytes=mib * 2**20)
-    for method, key in (("psum", "jpack_psum"), ("scatter_gather", "jpack_sg")):
-      c = h.compile_fn(smap(mesh, bodies(layout)[key][0]), tree)
-      t = h.time_rounds({key: lambda: c.fn(tree)}, rounds)[key]
-      out.append((mib, method, layout, c, t, h.count_collectives(c.text())))
-  return out
-
-
 def run(opts: Any, report: h.Report) -> None:
   mesh = jax.make_mesh((DEVICES,), (AXIS,))
   variants = opts.variants or list(VARIANTS)
@@ -158,6 +141,7 @@ def run(opts: Any, report: h.Report) -> None:
                        "bf16 wire halves f32 buckets. HLO: all-reduce + reduce-scatter input + "
                        "all-to-all bytes, all-gather output bytes")
   goals = h.Table(["goal", "workload", "variant", "value", "limit", "result"], title="Goals")
+  mb = lambda n: f"{n / 1e6:.3g}" if n < 1e8 else f"{n / 1e6:.0f}"
   for name, res in results.items():
     base_c = res["per_leaf"]["compiled"].total_s if "per_leaf" in res else None
     for key, r in res.items():
@@ -188,9 +172,8 @@ def run(opts: Any, report: h.Report) -> None:
         b = res[key]["colls"].result_bytes
         moved[2 * i:2 * i + 2] = (b["all-reduce"] + DEVICES * b["reduce-scatter"]
                                   + b["all-to-all"], b["all-gather"])
-    wire.add(label(name), layout.num_leaves, len(layout.buckets), h.fmt_mb(layout.leaf_nbytes),
-             h.fmt_mb(native), h.fmt_mb(bf16), *(h.fmt_mb(n) if n is not None else "-"
-                                                for n in moved),
+    wire.add(label(name), layout.num_leaves, len(layout.buckets), mb(layout.leaf_nbytes),
+             mb(native), mb(bf16), *(mb(n) if n is not None else "-" for n in moved),
              workload=name, leaves=layout.num_leaves, buckets=len(layout.buckets),
              leaf_bytes=layout.leaf_nbytes, wire_bytes=native, bf16_wire_bytes=bf16,
              hlo_reduced_bytes_sg=moved[0], hlo_gathered_bytes_sg=moved[1],
@@ -205,15 +188,21 @@ def run(opts: Any, report: h.Report) -> None:
                           "to back after the main table: compare the rows with each other; "
                           "C = lower + compile)")
     pl, fl = (res[k]["timing"].median_s if k in res else None for k in ("per_leaf", "floor"))
-    for mib, method, layout, c, t, colls in bucket_sweep(
-        mesh, workloads["resnet50"], SWEEP_MIB[:2] if opts.quick else SWEEP_MIB, opts.rounds):
-      vs_pl, vs_fl = h.ratio(t.median_s, pl), h.ratio(t.median_s, fl)
-      sweep.add(f"{mib} MiB", method, len(layout.buckets), h.fmt_ms(t.median_s),
-                h.fmt_ratio(vs_pl), h.fmt_ratio(vs_fl), h.fmt_s(c.total_s), colls.short(),
-                workload="resnet50", bucket_bytes=mib * 2**20, method=method,
-                buckets=len(layout.buckets), run_s=t.median_s, vs_per_leaf=vs_pl,
-                vs_floor=vs_fl, lower_s=c.lower_s, compile_s=c.compile_s,
-                **h.collective_values(colls))
+    shapes = workloads["resnet50"].shapes
+    tree = h.random_tree(shapes, seed=0, lead=DEVICES, sharding=NamedSharding(mesh, P(AXIS)))
+    for mib in SWEEP_MIB[:2] if opts.quick else SWEEP_MIB:
+      layout = jpack.plan(shapes, num_shards=DEVICES, bucket_bytes=mib * 2**20)
+      for method, key in (("psum", "jpack_psum"), ("scatter_gather", "jpack_sg")):
+        c = h.compile_fn(smap(mesh, bodies(layout)[key][0]), tree)
+        t = h.time_rounds({key: lambda: c.fn(tree)}, opts.rounds)[key]
+        colls = h.count_collectives(c.text())
+        vs_pl, vs_fl = h.ratio(t.median_s, pl), h.ratio(t.median_s, fl)
+        sweep.add(f"{mib} MiB", method, len(layout.buckets), h.fmt_ms(t.median_s),
+                  h.fmt_ratio(vs_pl), h.fmt_ratio(vs_fl), h.fmt_s(c.total_s), colls.short(),
+                  workload="resnet50", bucket_bytes=mib * 2**20, method=method,
+                  buckets=len(layout.buckets), run_s=t.median_s, vs_per_leaf=vs_pl,
+                  vs_floor=vs_fl, lower_s=c.lower_s, compile_s=c.compile_s,
+                  **h.collective_values(colls))
     report.table(sweep)
   report.table(goals)
   report.text("Variants and columns: docs/performance.md#collectives. Above "

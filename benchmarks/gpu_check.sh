@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# jpack on one GPU in under five minutes: the machine, a GPU smoke test, the optimizer,
-# step and pack benchmarks, the fast unit tests (on the CPU), and a table of the goals
-# read back from the JSON. Needs python3 with jax (CUDA), optax and pytest (torch adds a
-# column); installs nothing. Writes 13 files under $OUT (else a temp dir).
+# jpack on one GPU in under five minutes: the machine and a GPU smoke test, the optimizer,
+# step and pack benchmarks, the fast unit tests (on the CPU), and a table of the goals read
+# back from the JSON. Needs python3 with jax (CUDA), optax and pytest (torch adds a column);
+# installs nothing. Writes logs, JSON and Markdown under $OUT (else a temp dir).
 #
 #   bash benchmarks/gpu_check.sh
 #   GPU_CHECK_STEPS="optimizer summary" bash benchmarks/gpu_check.sh    # some steps only
 #   GPU_CHECK_QUICK=1 bash benchmarks/gpu_check.sh     # tiny sizes: a smoke run on a CPU
 #
-# Steps (env smoke optimizer step pack tests summary) each have a time limit, together
-# GPU_CHECK_BUDGET_S (default 285 s); one that would start too late is skipped. Exit
-# status: the number of steps failed or skipped. GPU_CHECK_WORKLOADS overrides the
-# optimizer's workloads, PYTHON the interpreter.
+# Each step has a time limit, all together GPU_CHECK_BUDGET_S (default 285 s); one that
+# would start too late is skipped. Exit status: the number of steps failed or skipped.
+# GPU_CHECK_WORKLOADS overrides the optimizer's workloads, PYTHON the interpreter.
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -23,7 +22,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX and torch share the GPU in one process
 export GPU_CHECK_QUICK=${GPU_CHECK_QUICK:-}
 PYTHON=${PYTHON:-python3}
-STEPS=" ${GPU_CHECK_STEPS:-env smoke optimizer step pack tests summary} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke optimizer step pack tests summary} "
 DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-285}))
 RESERVE=25  # kept for the summary and for a step's grace period after its limit
 FAILED=()
@@ -65,20 +64,7 @@ run_step() {
 }
 
 echo "jpack GPU check: outputs in $OUT"
-
-run_step env 30 "$PYTHON" - <<'EOF'
-import shutil, subprocess
-from benchmarks import harness
-smi = shutil.which("nvidia-smi")
-print(subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
-      if smi else "nvidia-smi: not found")
-print("machine:", harness.machine())
-try:  # after JAX's backend: torch's CUDA libraries must not be loaded first
-  import torch
-  print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-except ImportError:
-  print("torch: not installed")
-EOF
+command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi -L
 
 # On the GPU, against numpy: pack / unpack, the collectives, data_parallel in every mode.
 run_step smoke 60 "$PYTHON" - <<'EOF'
@@ -90,9 +76,8 @@ from benchmarks import harness as c
 from jpack._reference import per_leaf_step
 
 jax.config.update("jax_default_matmul_precision", "highest")  # not TF32: compared at 1e-5
-platform = jax.devices()[0].platform
-print("platform:", platform, jax.devices()[0].device_kind)
-assert platform == "gpu" or os.environ.get("GPU_CHECK_QUICK"), f"no GPU: {jax.devices()}"
+print("machine:", c.machine())
+assert jax.devices()[0].platform == "gpu" or os.environ["GPU_CHECK_QUICK"], jax.devices()
 
 rng = np.random.default_rng(0)
 host = {"w": rng.normal(size=(64, 48)).astype(jnp.bfloat16),
@@ -113,16 +98,15 @@ for name, f in (("eager", lambda t: jpack.unpack(jpack.pack(t))),
 mesh = jax.make_mesh((1,), ("batch",))
 floats = {k: v for k, v in host.items() if k != "n"}
 def reduce(t):
-  packed = jpack.pack(t)
   return (jpack.pmean(t, "batch"), jpack.psum(t, "batch"),
-          jpack.unpack(jpack.pmean(packed, "batch")),
+          jpack.unpack(jpack.pmean(jpack.pack(t), "batch")),
           jpack.pmean(t, "batch", comm_dtype=jnp.bfloat16))
 outs = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P(), out_specs=P()))(floats)
 for i, out in enumerate(outs):
   for k, x in floats.items():
-    y = np.asarray(out[k], np.float64)
     tol = 1e-2 if (i == 3 or np.dtype(x.dtype).itemsize < 4) else 0
-    np.testing.assert_allclose(y, np.asarray(x, np.float64), rtol=tol, atol=tol, err_msg=k)
+    np.testing.assert_allclose(np.asarray(out[k], np.float64), np.asarray(x, np.float64),
+                               rtol=tol, atol=tol, err_msg=k)
 print("pmean / psum / packed pmean / bf16-wire pmean on a 1-device mesh: match numpy")
 
 params = {"w": rng.normal(size=(32, 16)).astype(np.float32),
@@ -153,7 +137,6 @@ run_step optimizer 120 "$PYTHON" -m benchmarks optimizer --workloads "$OPT_WORKL
   "${OPT_ARGS[@]}" --json "$OUT/optimizer.json" --markdown "$OUT/optimizer.md"
 run_step step 60 "$PYTHON" -m benchmarks step --devices 1 "${STEP_ARGS[@]}" \
   --json "$OUT/step.json" --markdown "$OUT/step.md"
-
 run_step pack 45 "$PYTHON" -m benchmarks pack --quick \
   --workloads resnet50,gpt2_small,many_small_4000 --json "$OUT/pack.json" --markdown "$OUT/pack.md"
 
@@ -166,34 +149,30 @@ run_step summary 15 "$PYTHON" - <<'EOF'
 """The goals, from the JSON the benchmarks wrote under $OUT."""
 import json, os, pathlib
 
-out = pathlib.Path(os.environ["OUT"])
 rows = []
-
 def add(goal, what, value, limit, ok):
-  result = "-" if value is None else ("PASS" if ok else "MISS")
-  rows.append((goal, what, "-" if value is None else f"{value:.3f}", limit, result))
+  rows.append((goal, what, "-" if value is None else f"{value:.3f}", limit,
+               "-" if value is None else ("PASS" if ok else "MISS")))
 
-def load(name):
-  path = out / f"{name}.json"
+def values(name):
+  """Every row's values in $OUT/NAME.json; none where the file is missing."""
+  path = pathlib.Path(os.environ["OUT"]) / f"{name}.json"
   if not path.exists():
-    return print(f"{path.name}: missing (the step failed or did not run)")
+    print(f"{path.name}: missing (the step failed or did not run)")
+    return []
   doc = json.loads(path.read_text())
   print(f"{path.name}: {doc['machine']['device_count']} {doc['machine']['platform']} device(s)")
-  return doc
+  return [r["values"] for t in doc["tables"] for r in t["rows"]]
 
-step = load("step")
-if step:
-  values = [r["values"] for t in step["tables"] for r in t["rows"] if "step_s" in r["values"]]
-  base = {v["model"]: v["step_s"] for v in values if v["key"] == "per_leaf"}
-  for v in values:
-    if v["key"] in ("allreduce", "packed", "sharded") and v["model"] in base:
-      r = v["step_s"] / base[v["model"]]
-      add("step time: jpack / per-leaf", f"{v['model']} {v['key']}", r, "<= 1.05", r <= 1.05)
+step = [v for v in values("step") if "step_s" in v]
+base = {v["model"]: v["step_s"] for v in step if v["key"] == "per_leaf"}
+for v in step:
+  if v["key"] in ("allreduce", "packed", "sharded") and v["model"] in base:
+    r = v["step_s"] / base[v["model"]]
+    add("step time: jpack / per-leaf", f"{v['model']} {v['key']}", r, "<= 1.05", r <= 1.05)
 
-optimizer = load("optimizer")
-if optimizer:
-  for row in optimizer["tables"][0]["rows"]:
-    v = row["values"]
+for v in values("optimizer"):
+  if "jpack_over_per_leaf" in v:  # the times table, not the goals
     r = v["jpack_over_per_leaf"]
     add("adam update: jpack / per-leaf optax", v["workload"], r, "< 1", r is not None and r < 1)
     r = v["jpack_over_torch"] if v["torch_adam"].startswith("fused") else None

@@ -21,7 +21,6 @@ from benchmarks import harness as h
 from benchmarks import models
 from benchmarks import step as step_bench
 from benchmarks.step import Variant
-from jpack import _reference
 from benchmarks.render import GPU_COLUMNS
 from jpack._reference import CollectiveOp, Program, analyze_program
 
@@ -30,17 +29,12 @@ MERGE_KEY = "workload"
 AXIS = h.AXIS
 NUM_GPUS = 8
 TARGET = pathlib.Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"
-LEARNING_RATE = 1e-3
 ROWS_PER_DEVICE = 4  # sequences of 128 tokens, or 224x224 images, per GPU
 MODELS = (*models.FULL_SIZE, *models.LARGE)
 DEFAULTS = dict(models=list(models.FULL_SIZE))
 QUICK = dict(models=["gpt2_small"], variants=["floor", "per_leaf", "allreduce", "packed",
                                               "sharded"])
-
-
 _v = functools.partial(Variant, optimizer="adamw")
-
-
 BF16 = jnp.bfloat16
 VARIANTS = {
     "floor": _v("floor: grads + SGD, no reduction", kind="floor"),
@@ -117,33 +111,6 @@ def gpu_mesh(n: int = NUM_GPUS) -> jax.sharding.Mesh:
                            axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-def _floor(model: models.Model, mesh) -> Any:
-  """Loss, gradients and an SGD update on each device's own gradients: no reduction."""
-
-  def local(params, batch):
-    mine = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), params)
-    grads = jax.grad(model.loss)(mine, batch)
-    return jax.tree.map(lambda p, g: p - LEARNING_RATE * g.astype(p.dtype), params, grads)
-
-  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
-                               check_vma=False), donate_argnums=0)
-  return jpack.DataParallel(lambda p: jax.device_put(p, NamedSharding(mesh, P())), step,
-                            lambda p: p, None)
-
-
-def build(key: str, model: models.Model, mesh) -> step_bench.Built:
-  """Variant ``key``'s step (`step_bench.build`, or one of the two only this has)."""
-  v = VARIANTS[key]
-  if v.kind == "floor":
-    return step_bench.Built(_floor(model, mesh))
-  if v.kind == "hand_pmean_options":  # the README's step with jpack.step_options
-    layout = jpack.plan(model.params, **jpack.step_options(mesh)[0])
-    return step_bench.Built(_reference.per_leaf_step(
-        model.loss, step_bench.optimizer(v, model.params), model.params, mesh,
-        reduce=lambda g: jpack.pmean(g, AXIS, layout=layout)))
-  return step_bench.build(v, model, mesh)
-
-
 @dataclasses.dataclass
 class Result:
   key: str
@@ -163,49 +130,18 @@ class Result:
 def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DEVICE
                     ) -> Result:
   """Lower and compile variant ``key``'s step for the mesh, on abstract values."""
-  built = build(key, model, mesh)
+  built = step_bench.build(VARIANTS[key], model, mesh)
   state = jax.eval_shape(built.dp.init, model.params)
   # The jit steps place the batch by their own in_shardings (on a mesh of Auto axes).
   split = None if built.jit_mesh else NamedSharding(mesh, P(AXIS))
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split),
                        model.batch_like(rows * mesh.shape[AXIS]))
-  step = built.dp.step  # jpack's steps carry their jit (and compiler options)
-  lower = getattr(step, "lower", None) or jax.jit(step, donate_argnums=0).lower
-  lowered, lower_s = h.timed(lambda: lower(state, batch))
-  compiled, compile_s = h.timed(lambda: lowered.compile(
-      COMPILER_OPTIONS[key](mesh) if key in COMPILER_OPTIONS else None))
-  mem = compiled.memory_analysis()
-  text = compiled.as_text()
+  # jpack's steps carry their jit (and compiler options).
+  c = h.compile_fn(built.dp.step, state, batch, jit_kwargs={"donate_argnums": 0},
+                   options=COMPILER_OPTIONS[key](mesh) if key in COMPILER_OPTIONS else None)
+  mem, text = c.fn.memory_analysis(), c.text()
   return Result(key, analyze_program(text), mem.temp_size_in_bytes,
-                mem.argument_size_in_bytes, lower_s, compile_s, text)
-
-
-def removed(value: float, base: float, floor: float) -> float | None:
-  """The share of ``base - floor`` that ``value`` does not have."""
-  return None if base == floor else (base - value) / (base - floor)
-
-
-def goals(results: dict[str, Result], grad_bytes: int, name: str
-          ) -> dict[str, dict[str, bool]]:
-  """Each goal of `GOALS` (and the copy, temp and overlap goals) per mode: met or not."""
-  out = {}
-  for key, g in GOALS.items():
-    r = results.get(key)
-    if r is None or "floor" not in results or "per_leaf" not in results:
-      continue
-    kr, hr, _ = shares(key, r, results)
-    p = r.program
-    out[key] = {
-        f"kernels removed >= {g['kernels']:.0%}": kr >= g["kernels"],
-        f"HBM removed >= {g['hbm']:.0%}": hr >= g["hbm"],
-        "copy-only bytes above floor <= 1 gradient":
-            p.copy_bytes - results["floor"].program.copy_bytes <= grad_bytes,
-        "temp <= per-leaf": r.temp_bytes <= results["per_leaf"].temp_bytes,
-        "every bucket's collective overlapped": all(
-            x.overlapped for x in p.collectives if x.bytes > BUCKET_MIN_BYTES),
-    }
-  out.update(zero3_goals(results, grad_bytes, large=name in models.LARGE))
-  return out
+                mem.argument_size_in_bytes, c.lower_s, c.compile_s, text)
 
 
 def zero3_goals(results: dict[str, Result], grad_bytes: int, large: bool
@@ -251,14 +187,11 @@ def user_model(spec: str) -> models.Model:
   if not function:
     raise SystemExit(f"--model takes MODULE:FUNCTION, got {spec!r}")
   params, loss, batch = getattr(importlib.import_module(module), function)()
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
-
-  def batch_like(rows: int) -> Any:  # rows = the global batch: NUM_GPUS x one device's
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * NUM_GPUS,) + x.shape[1:],
-                                                       x.dtype), like)
-
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
-  return models.Model(spec, spec, params, loss, lambda n: None, batch_like)
+  sds = lambda x, shape: jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+  params = jax.tree.map(lambda x: sds(x, np.shape(x)), params)
+  # The global batch: NUM_GPUS times one device's rows.
+  batch = jax.tree.map(lambda x: sds(x, (np.shape(x)[0] * NUM_GPUS, *np.shape(x)[1:])), batch)
+  return models.Model(spec, spec, params, loss, lambda n: None, lambda rows: batch)
 
 
 def run_workload(name: str, variants: list[str], report: h.Report,
@@ -303,23 +236,38 @@ def run_workload(name: str, variants: list[str], report: h.Report,
 
 def shares(key: str, r: Result, results: dict[str, Result]
            ) -> tuple[float | None, float | None, str]:
-  """``(kernels removed, HBM removed, cell)`` of ``key`` between per-leaf and the floor;
-  None and "-" where either is missing or ``key`` is not comparable."""
+  """``(kernels removed, HBM removed, cell)``: the shares of per-leaf's excess over the floor
+  that ``key`` does not have; None and "-" where either is missing or not comparable."""
   floor, base = results.get("floor"), results.get("per_leaf")
   if not (floor and base) or key in ("floor", "per_leaf") or key in UNCOMPARED:
     return None, None, "-"
-  kr = removed(r.program.kernels, base.program.kernels, floor.program.kernels)
-  hr = removed(r.program.hbm_bytes, base.program.hbm_bytes, floor.program.hbm_bytes)
+  removed = lambda f: None if f(base) == f(floor) else (f(base) - f(r)) / (f(base) - f(floor))
+  kr, hr = removed(lambda x: x.program.kernels), removed(lambda x: x.program.hbm_bytes)
   return kr, hr, f"{kr:.0%} / {hr:.0%}"
 
 
 def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> h.Table:
-  """Workload ``name``'s goals per mode (`goals`), met or not."""
-  g = h.Table(["mode", "goal", "result"], title=f"{name}: goals")
-  for mode, checks in goals(results, grad_bytes, name).items():
-    for goal, ok in checks.items():
-      g.add(VARIANTS[mode].label, goal, h.verdict(ok), workload=name, key=mode, goal=goal, ok=ok)
-  return g
+  """Workload ``name``'s goals per mode, met or not: `GOALS` and the copy, temp and overlap
+  goals against per-leaf and the floor, then ZeRO-3's (`zero3_goals`)."""
+  checks, floor, base = {}, results.get("floor"), results.get("per_leaf")
+  for key, g in GOALS.items():
+    if (r := results.get(key)) and floor and base:
+      kr, hr, _ = shares(key, r, results)
+      checks[key] = {
+          f"kernels removed >= {g['kernels']:.0%}": kr >= g["kernels"],
+          f"HBM removed >= {g['hbm']:.0%}": hr >= g["hbm"],
+          "copy-only bytes above floor <= 1 gradient":
+              r.program.copy_bytes - floor.program.copy_bytes <= grad_bytes,
+          "temp <= per-leaf": r.temp_bytes <= base.temp_bytes,
+          "every bucket's collective overlapped": all(
+              x.overlapped for x in r.program.collectives if x.bytes > BUCKET_MIN_BYTES)}
+  checks.update(zero3_goals(results, grad_bytes, large=name in models.LARGE))
+  table = h.Table(["mode", "goal", "result"], title=f"{name}: goals")
+  for mode, goals in checks.items():
+    for goal, ok in goals.items():
+      table.add(VARIANTS[mode].label, goal, h.verdict(ok), workload=name, key=mode, goal=goal,
+                ok=ok)
+  return table
 
 
 def _result(v: dict[str, Any]) -> Result:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 import jpack
 from benchmarks.render import _NUMERIC, markdown_table
@@ -44,7 +45,6 @@ class Workload:
   name: str
   shapes: dict[str, jax.ShapeDtypeStruct]
   full_leaves: int
-  full_elements: int
 
   num_leaves = property(lambda self: len(self.shapes))
   num_elements = property(lambda self: sum(math.prod(s.shape) for s in self.shapes.values()))
@@ -77,7 +77,7 @@ def load_workload(name: str, *, max_leaves: int | None = None,
       continue
     shapes[leaf["path"]] = jax.ShapeDtypeStruct(shape, jnp.dtype(leaf["dtype"]))
     total += math.prod(shape)
-  return Workload(name, shapes, int(doc["num_leaves"]), int(doc["num_elements"]))
+  return Workload(name, shapes, int(doc["num_leaves"]))
 
 
 def synthetic_small_leaves(num_leaves: int = 1000, total_bytes: int = 2**20) -> Workload:
@@ -87,7 +87,7 @@ def synthetic_small_leaves(num_leaves: int = 1000, total_bytes: int = 2**20) -> 
   sizes[-1] += total_bytes // 4 - sizes.sum()
   shapes = {f"leaf{i:04d}": jax.ShapeDtypeStruct((int(s),), np.dtype(np.float32))
             for i, s in enumerate(sizes)}
-  return Workload(f"small_{num_leaves}", shapes, num_leaves, int(sizes.sum()))
+  return Workload(f"small_{num_leaves}", shapes, num_leaves)
 
 
 def random_numpy(shape: Sequence[int], dtype: Any, rng: np.random.Generator) -> np.ndarray:
@@ -130,6 +130,12 @@ def max_diff(a: Any, b: Any) -> float:
              default=0.0)
 
 
+def ravel_pmean(tree: Any) -> Any:
+  """The mean of ``tree`` over `AXIS` as ``optax.flatten`` takes it: one raveled array."""
+  flat, unravel = ravel_pytree(tree)
+  return unravel(jax.lax.pmean(flat, AXIS))
+
+
 @dataclasses.dataclass
 class Compiled:
   """An AOT-compiled function (call ``fn``), and its lowering and compile times."""
@@ -140,11 +146,12 @@ class Compiled:
   text = lambda self: self.fn.as_text()
 
 
-def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None) -> Compiled:
-  """``jax.jit(f).lower(*args).compile()``, timed (``f`` may be jitted already)."""
+def compile_fn(f: Callable, *args: Any, jit_kwargs: dict | None = None,
+               options: dict | None = None) -> Compiled:
+  """``jax.jit(f).lower(*args).compile(options)``, timed (``f`` may be jitted already)."""
   jitted = f if hasattr(f, "lower") else jax.jit(f, **(jit_kwargs or {}))
   lowered, lower_s = timed(lambda: jitted.lower(*args))
-  compiled, compile_s = timed(lowered.compile)
+  compiled, compile_s = timed(lambda: lowered.compile(options))
   return Compiled(compiled, lower_s, compile_s)
 
 
@@ -228,13 +235,12 @@ class Report:
     self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     self.parts: list[Table | str] = []
 
-  def table(self, table: Table) -> None:
-    self.parts.append(table)
-    print("\n" + table.text(), flush=True)
+  def table(self, part: Table | str) -> None:
+    """Add a table (or a note) and print it."""
+    self.parts.append(part)
+    print("\n" + part.text() if isinstance(part, Table) else part, flush=True)
 
-  def text(self, text: str) -> None:
-    self.parts.append(text)
-    print(text, flush=True)
+  text = table
 
   def markdown(self) -> str:
     out = [f"# {self.title}", "", f"Machine: `{machine()}`", ""]
@@ -311,10 +317,6 @@ def fmt_ratio(x: float | None) -> str:
 
 def ratio(a: float | None, b: float | None) -> float | None:
   return None if a is None or b is None or b <= 0 else a / b
-
-
-def fmt_mb(n: float) -> str:
-  return f"{n / 1e6:.3g}" if n < 1e8 else f"{n / 1e6:.0f}"
 
 
 def collective_values(colls: Collectives) -> dict[str, Any]:

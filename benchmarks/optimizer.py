@@ -38,14 +38,7 @@ def scaled(w: h.Workload, scale: float) -> h.Workload:
       i = int(np.argmax(shape))
       shape[i] = max(1, round(shape[i] * scale))
     shapes[path] = jax.ShapeDtypeStruct(tuple(shape), s.dtype)
-  return h.Workload(w.name, shapes, w.full_leaves, w.full_elements)
-
-
-def _check_floating(w: h.Workload) -> None:
-  bad = [p for p, s in w.shapes.items() if not jnp.issubdtype(s.dtype, jnp.floating)]
-  if bad:
-    raise SystemExit(f"Workload {w.name!r} has non-floating leaves ({', '.join(bad[:3])}"
-                     "...): adam needs floating parameters; choose other --workloads.")
+  return dataclasses.replace(w, shapes=shapes)
 
 
 class _Update:
@@ -69,7 +62,7 @@ class _Update:
 class _TorchAdam:
   """``torch.optim.Adam`` over tensors holding ``params``, with ``grads`` set once."""
 
-  def __init__(self, torch: Any, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]):
+  def __init__(self, torch: Any, params: dict[str, Any], grads: dict[str, Any]):
     self.torch = torch
     self.cuda = torch.cuda.is_available()
     self.label, device, kind = (("fused (CUDA)", "cuda", {"fused": True}) if self.cuda
@@ -80,7 +73,7 @@ class _TorchAdam:
       t.grad = self._tensor(grads[k], device)
     self.opt = torch.optim.Adam(list(self.tensors.values()), lr=LEARNING_RATE, **kind)
 
-  def _tensor(self, x: np.ndarray, device: str) -> Any:
+  def _tensor(self, x: Any, device: str) -> Any:
     dtype = getattr(self.torch, np.dtype(x.dtype).name)  # float32, bfloat16, ...
     # A copy (``x`` may be a read-only JAX buffer); narrow floats cross as float32.
     host = np.array(x, np.float32 if x.dtype.itemsize < 4 else x.dtype)
@@ -138,10 +131,7 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
   calls: dict[str, Any] = {"jpack": _Update(jpack.optax.flat(optax.adam(LEARNING_RATE)),
                                             jpack.pack(grads, layout),
                                             jpack.pack(params, layout))}
-  torch_adam = None
-  if torch is not None:
-    torch_adam = _TorchAdam(torch, {k: np.asarray(v) for k, v in params.items()},
-                            {k: np.asarray(v) for k, v in grads.items()})
+  torch_adam = _TorchAdam(torch, params, grads) if torch is not None else None
   calls["per_leaf"] = _Update(optax.adam(LEARNING_RATE), grads, params)
   del params, grads
   compile_s = {k: calls[k].compiled.total_s for k in ("per_leaf", "jpack")}
@@ -204,7 +194,9 @@ def run(opts: Any, report: h.Report) -> None:
   results = []
   for name in opts.models:
     w = scaled(h.load_workload(name), opts.scale)
-    _check_floating(w)
+    if bad := [p for p, s in w.shapes.items() if not jnp.issubdtype(s.dtype, jnp.floating)]:
+      raise SystemExit(f"Workload {name!r} has non-floating leaves ({', '.join(bad[:3])}...): "
+                       "adam needs floating parameters; choose other --workloads.")
     results.append(bench_workload(w, torch, runs=opts.rounds))
     h.release_host_memory()
     report.parts[:] = [*_tables(results), "Times: one update's wall time, dispatch included; "

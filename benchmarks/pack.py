@@ -28,10 +28,10 @@ PLAN_GOAL_S = 0.020       # plan <= 20 ms for 4000 leaves
 PLAN_RUNS = 20
 
 
-def _measure(f: Callable, arg: Any, rounds: int) -> tuple[dict, Any]:
+def _measure(f: Callable, arg: Any, rounds: int, output: str) -> dict[str, Any]:
   compiled = h.compile_fn(f, arg)
   t = h.time_rounds({"f": lambda: compiled.fn(arg)}, rounds)["f"]
-  return {"compiled": compiled, "run_s": t.median_s, "min_s": t.min_s}, compiled
+  return {"compiled": compiled, "run_s": t.median_s, "min_s": t.min_s, "output": output}
 
 
 def _describe(x: Any) -> str:
@@ -58,18 +58,11 @@ def bench_workload(w: h.Workload, rounds: int) -> tuple[dict[str, dict], jpack.L
          "pack": (lambda t: jpack.pack(t, layout), tree,
                   f"Packed {_describe(tuple(layout.bucket_shapes()))}"),
          "ravel": (ravel, tree, f"{np.dtype(flat.dtype).name}[{flat.size:,}]{promoted}")}
-  res: dict[str, dict] = {}
-  for key, (f, arg, output) in ops.items():
-    res[key], compiled = _measure(f, arg, rounds)
-    res[key]["output"] = output
-    if key == "pack":
-      packed = jax.block_until_ready(compiled.fn(tree))
-    if key == "ravel":
-      flat = jax.block_until_ready(compiled.fn(tree))
+  res = {key: _measure(f, arg, rounds, output) for key, (f, arg, output) in ops.items()}
+  packed, flat = (jax.block_until_ready(res[k]["compiled"].fn(tree)) for k in ("pack", "ravel"))
   for key, f, arg in (("unpack", jpack.unpack, packed), ("unpack_shared", unpack_shared, packed),
                       ("unravel", box["unravel"], flat)):
-    res[key], _ = _measure(f, arg, rounds)
-    res[key]["output"] = _describe(tree)
+    res[key] = _measure(f, arg, rounds, _describe(tree))
   # The same calls outside jit, as a script makes them: the first call compiles.
   for key, f, arg in (("eager_pack", lambda t: jpack.pack(t, layout), tree),
                       ("eager_unpack", jpack.unpack, packed)):
@@ -82,16 +75,14 @@ def bench_workload(w: h.Workload, rounds: int) -> tuple[dict[str, dict], jpack.L
 
 
 def run(opts: Any, report: h.Report) -> None:
-  names = opts.models or MODELS
   results, layouts, workloads, plans = {}, {}, {}, {}
-  for name in names:
+  for name in opts.models or MODELS:
     full = h.load_workload(name)
     plans[name] = h.time_rounds({"plan": lambda: jpack.plan(full.shapes)}, PLAN_RUNS)["plan"]
     workloads[name] = w = h.load_workload(name, max_leaves=opts.max_leaves,
                                           max_elements=opts.max_elements)
     results[name], layouts[name] = bench_workload(w, opts.rounds)
   label = lambda n: n + (f" ({workloads[n].num_leaves} lv)" if workloads[n].subset else "")
-  base = lambda res: max(res["single"]["run_s"], res["per_leaf"]["run_s"])
   ops = h.Table(["workload", "op", "output", "run ms", "lower s", "compile s",
                  "run/max(a,b)", "compile/per-leaf"],
                 title="Run time (median) and compile time per op; compile/per-leaf "
@@ -107,7 +98,8 @@ def run(opts: Any, report: h.Report) -> None:
                          "lower+compile time, vs (b); sk = share_kernels); plan on the full tree")
   goals = h.Table(["goal", "workload", "value", "limit", "result"], title="Goals")
   for name, res in results.items():
-    w, b, leaf_c = workloads[name], base(res), res["per_leaf"]["compiled"].total_s
+    w, leaf_c = workloads[name], res["per_leaf"]["compiled"].total_s
+    b = max(res["single"]["run_s"], res["per_leaf"]["run_s"])  # max(a, b)
     run = {k: h.ratio(res[k]["run_s"], b) for k in VARIANTS}
     comp = {k: h.ratio(res[k]["compiled"].total_s, leaf_c) for k in VARIANTS}
     for key, op in VARIANTS.items():

@@ -13,6 +13,8 @@ import pathlib
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from benchmarks import BENCHMARKS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 BLOCK = re.compile(r"(<!-- figures: *(?P<name>[\w-]+) *-->)\n(?P<body>.*?)(<!-- /figures -->)",
@@ -21,10 +23,7 @@ Results = Mapping[str, Any]  # benchmark name -> its JSON document (absent: not 
 Row = dict[str, Any]         # {"cells": {column: text}, "values": {...}}
 
 
-def load_results(results_dir: pathlib.Path = RESULTS_DIR,
-                 names: Iterable[str] = ("step", "collectives", "pack", "optimizer",
-                                         "checkpoint", "gpu_compile", "startup", "multinode",
-                                         "fits")
+def load_results(results_dir: pathlib.Path = RESULTS_DIR, names: Iterable[str] = BENCHMARKS
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
   paths = {name: pathlib.Path(results_dir) / f"{name}.json" for name in names}
@@ -32,20 +31,19 @@ def load_results(results_dir: pathlib.Path = RESULTS_DIR,
 
 
 def _tables(doc: Mapping[str, Any] | None, *columns: str) -> list[Mapping[str, Any]]:
-  """The tables of ``doc`` that have all of ``columns`` (titles may be reworded)."""
-  return [t for t in (doc or {}).get("tables", []) if all(c in t["columns"] for c in columns)]
-
-
-def _step_tables(doc: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
-  return [t for t in _tables(doc, "variant", "step ms", "speed-up") if t["rows"]]
+  """The tables of ``doc`` with rows and all of ``columns`` (titles may be reworded)."""
+  return [t for t in (doc or {}).get("tables", [])
+          if t["rows"] and all(c in t["columns"] for c in columns)]
 
 
 def _by_key(table: Mapping[str, Any]) -> dict[str, Row]:
   return {r["values"].get("key"): r for r in table["rows"]}
 
 
-def _model(table: Mapping[str, Any]) -> str:
-  return table["rows"][0]["values"].get("model", "") if table["rows"] else ""
+def _step_table(doc: Mapping[str, Any] | None, model: str) -> Mapping[str, Any] | None:
+  """The step benchmark's table of ``model``, if it has one."""
+  return next((t for t in _tables(doc, *STEP_REQUIRED)
+               if t["rows"][0]["values"].get("model") == model), None)
 
 
 _NUMERIC = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?\s*(x|%|ms|s|B|KiB|MiB|GiB)?$")
@@ -119,6 +117,7 @@ def _speedup_and_spread(base: Row | None, row: Row | None) -> str:
 
 
 # The step table's columns as performance.md shows them (not the benchmark's targets).
+STEP_REQUIRED = ("variant", "step ms", "speed-up")
 STEP_COLUMNS = ("variant", "step ms", "speed-up", "spread", "vs no saves", "compile s",
                 "collectives", "coll. bytes", "opt state/dev", "max |Δp| vs per-leaf")
 MAIN_MODEL = "mlp_40x256"  # comparison.md's baselines, in this order:
@@ -150,19 +149,14 @@ def _overlap_cell(rows: Sequence[Row]) -> str:
   return "all" if worst is None else f"{worst[0]} of {worst[1]} on {worst[2]}"
 
 
-def _model_title(doc: Mapping[str, Any], model: str) -> str:
-  """A step table's title up to its model's description: "GPT-2 decoder 12x64 (...)"."""
-  return next((t["title"].rsplit("), ", 1)[0] + ")" for t in _step_tables(doc)
-               if _model(t) == model), model)
-
-
 def render_headline(results: Results) -> str:
   """The README's table: jpack against `jax.jit` + `NamedSharding` and a per-leaf
   `shard_map` step, step time on CPU and the program compiled for GPUs."""
   step, gpu = results.get("step"), results.get("gpu_compile")
   if not step or not gpu:
     return _missing("step" if not step else "gpu_compile")
-  rows = next((_by_key(t) for t in _step_tables(step) if _model(t) == "gpt2_12x64"), {})
+  table = _step_table(step, "gpt2_12x64")
+  rows = _by_key(table) if table else {}
   out = [[f"CPU step time, GPT-2-like, {label}", _speedup(rows.get(jit), rows[key]) + " faster",
           _speedup_and_spread(rows.get("per_leaf"), rows[key]) + " faster"]
          for key, jit, label in HEADLINE_CPU if key in rows]
@@ -171,21 +165,22 @@ def render_headline(results: Results) -> str:
   found = [by_workload[w] for w in HEADLINE_GPU if w in by_workload]
   ours = [r["packed"] for r in found]
   for what, value in (("kernels launched", "kernels"), ("bytes moved (HBM, est.)", "hbm_bytes")):
-    out.append([f"GPU {what}, `mode=\"packed\"`",
-                *(_fewer([o["values"][value] for o in ours],
-                         [r[base]["values"][value] for r in found]) for base in ("jit", "per_leaf"))])
+    out.append([f"GPU {what}, `mode=\"packed\"`", *(
+        _fewer([o["values"][value] for o in ours], [r[base]["values"][value] for r in found])
+        for base in ("jit", "per_leaf"))])
   out.append(["GPU collectives overlapped with compute, `mode=\"packed\"`",
               *(f"{_overlap_cell(ours)}; {name}: {_overlap_cell([r[key] for r in found])}"
                 for key, name in (("jit", "jit"), ("per_leaf", "per-leaf")))])
-  mib = lambda r: r["values"]["args_bytes"] / 2**20 if "args_bytes" in r["values"] else float(
-      r["cells"]["args MiB"].replace(",", ""))
   large = by_workload.get("gpt_1p3b", {})
   if "fsdp" in large and "jit_fsdp" in large:
-    peak = lambda r: mib(r) + r["values"]["temp_bytes"] / 2**20
+    peak = lambda r: (float(r["cells"]["args MiB"].replace(",", ""))
+                      + r["values"]["temp_bytes"] / 2**20)
     out.append(["GPU peak per device, 1.3 B GPT-like, `mode=\"fsdp\"` (ZeRO-3)",
                 f"{peak(large['fsdp']):,.0f} MiB (jit FSDP: {peak(large['jit_fsdp']):,.0f})",
                 f"- (ZeRO-1: {peak(large['sharded']):,.0f})" if "sharded" in large else "-"])
-  note = (f"CPU: {_model_title(step, 'gpt2_12x64')}; the baseline's step time over "
+  # The table's title up to the model's description: "GPT-2 decoder 12x64 (...)".
+  described = table["title"].rsplit("), ", 1)[0] + ")" if table else "gpt2_12x64"
+  note = (f"CPU: {described}; the baseline's step time over "
           "jpack's, in the same run, with the lowest and highest over interleaved rounds. "
           f"GPU: {', '.join(HEADLINE_GPU)} compiled for 8 H100s (not run), the range "
           "over the four; peak: arguments + temp of the compiled step. Machines, "
@@ -195,22 +190,13 @@ def render_headline(results: Results) -> str:
                                        "per-leaf `shard_map` step"], out), note])
 
 
-def render_step(results: Results) -> str:
-  """Every model of the step run, one table each."""
-  doc = results.get("step")
-  if not _step_tables(doc):
-    return _missing("step")
-  parts = [p for t in _step_tables(doc) for p in (f"**{t['title']}**", _select(t, STEP_COLUMNS))]
-  return "\n\n".join(parts + [machine_line(doc)])
-
-
 def render_baselines(results: Results) -> str:
   """The plain baselines next to jpack's modes, on the main model."""
   doc = results.get("step")
-  tables = _step_tables(doc)
+  tables = _tables(doc, *STEP_REQUIRED)
   if not tables:
     return _missing("step")
-  main = next((t for t in tables if _model(t) == MAIN_MODEL), tables[0])
+  main = _step_table(doc, MAIN_MODEL) or tables[0]
   rows = _by_key(main)
   return "\n\n".join([f"**{main['title']}**", _select(main, BASELINE_COLUMNS, [
       rows[k] for k in BASELINE_KEYS if k in rows]), machine_line(doc)])
@@ -246,22 +232,36 @@ def render_collectives(results: Results) -> str:
                        machine_line(doc)])
 
 
+def _compiled_on(devices: int) -> Callable[[Mapping], str]:
+  """The machine line of programs compiled for ``devices`` H100s."""
+  def line(doc: Mapping[str, Any]) -> str:
+    m = doc.get("machine", {})
+    return (f"Compiled for {devices} NVIDIA H100 SXM (simulated) on {m.get('cpu')}; "
+            f"{_versions(m)}. {_commands(doc)}.")
+  return line
+
+
 def _one_table(bench: str, required: Sequence[str], columns: Sequence[str] | None = None,
-               titled: bool = True, note: Callable[[Mapping], str] = lambda doc: ""
+               titled: bool = True, note: Callable[[Mapping], str] = lambda doc: "",
+               every: bool = False, footer: Callable[[Mapping], str] = machine_line
                ) -> Callable[[Results], str]:
-  """A renderer of the first table of ``bench`` that has the ``required`` columns:
-  its title, its ``columns`` (default: all), ``note(doc)`` and the machine line."""
+  """A renderer of the first table of ``bench`` (or ``every`` one) that has the ``required``
+  columns: its title, its ``columns`` (default: all); then ``note(doc)`` and ``footer(doc)``."""
   def render(results: Results) -> str:
     doc = results.get(bench)
     tables = _tables(doc, *required)
     if not tables:
       return _missing(bench)
-    parts = [f"**{tables[0]['title']}**" if titled else "", _select(tables[0], columns),
-             note(doc), machine_line(doc)]
-    return "\n\n".join(p for p in parts if p)
+    parts = [p for t in (tables if every else tables[:1])
+             for p in (f"**{t['title']}**" if titled else "", _select(t, columns))]
+    return "\n\n".join(p for p in [*parts, note(doc), footer(doc)] if p)
   return render
 
 
+render_step = _one_table("step", STEP_REQUIRED, STEP_COLUMNS, every=True)
+render_multinode = _one_table("multinode", ("cross-node MiB",), every=True,
+                              footer=_compiled_on(64))
+render_fits = _one_table("fits", ("GiB per layer",), every=True, footer=_compiled_on(8))
 render_pack = _one_table("pack", ("workload", "pack/max(a,b)", "unpack/max(a,b)"), titled=False)
 render_optimizer = _one_table("optimizer", ("workload", "per-leaf ms", "jpack ms"))
 render_checkpoint = _one_table(
@@ -329,27 +329,6 @@ def _goals_table(rows: Sequence[Row]) -> str:
   return markdown_table(["workload", "mode", *names],
                         [[w, m, *(answer.get(g.get(n, ""), "") for n in names)]
                          for (w, m), g in goals.items()])
-
-
-def _compiled(results: Results, name: str, column: str, devices: str) -> str:
-  """Every table of benchmark ``name`` (those with ``column``), and where it compiled."""
-  doc = results.get(name)
-  parts = [x for t in _tables(doc, column) for x in (f"**{t['title']}**", _select(t))]
-  if not parts:
-    return _missing(name)
-  m = doc.get("machine", {})
-  return "\n\n".join([*parts, f"Compiled for {devices} NVIDIA H100 SXM (simulated) on "
-                                f"{m.get('cpu')}; {_versions(m)}. {_commands(doc)}."])
-
-
-def render_multinode(results: Results) -> str:
-  """Each model's steps compiled for 8 nodes x 8 H100s."""
-  return _compiled(results, "multinode", "cross-node MiB", "64")
-
-
-def render_fits(results: Results) -> str:
-  """The deepest GPT-like model each mode fits in one H100."""
-  return _compiled(results, "fits", "GiB per layer", "8")
 
 
 RENDERERS: dict[str, Callable[[Results], str]] = {

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -170,23 +169,20 @@ def shape_table(name: str, seed: int = 0) -> Model:
 
 
 # Real architectures with their real leaf counts, narrowed; the tiny ones are smoke tests.
+_resnet18 = functools.partial(models.resnet, models.RESNET18_BLOCKS, block="basic", bn_state=True)
 MODELS: dict[str, Callable[[], Model]] = {
     "gpt2_12x64": lambda: models.gpt2(layers=12, width=64, vocab=1024, positions=32,
                                       heads=4, seq=16, name="gpt2_12x64"),
     "vit_12x64": lambda: models.vit(layers=12, width=64, patch=8, image=32, classes=100,
                                     heads=4, name="vit_12x64"),
-    "resnet18_narrow": lambda: models.resnet(models.RESNET18_BLOCKS, width=16, image=32,
-                                             classes=100, block="basic", bn_state=True,
-                                             name="resnet18_narrow"),
+    "resnet18_narrow": lambda: _resnet18(width=16, image=32, classes=100, name="resnet18_narrow"),
     "mlp_40x256": lambda: mlp(40, 256),
     "mlp_24x1024": lambda: mlp(24, 1024),
     "gpt2_2x16": lambda: models.gpt2(layers=2, width=16, vocab=64, positions=8, heads=2,
                                      seq=4, name="gpt2_2x16"),
     "vit_2x16": lambda: models.vit(layers=2, width=16, patch=4, image=8, classes=10,
                                    heads=2, name="vit_2x16"),
-    "resnet18_tiny": lambda: models.resnet(models.RESNET18_BLOCKS, width=4, image=8,
-                                           classes=10, block="basic", bn_state=True,
-                                           name="resnet18_tiny"),
+    "resnet18_tiny": lambda: _resnet18(width=4, image=8, classes=10, name="resnet18_tiny"),
     "resnet50": lambda: shape_table("resnet50"),
     "mlp_400x32": lambda: mlp(400, 32),
     "mlp_4x32": lambda: mlp(4, 32),
@@ -252,6 +248,20 @@ def _grads_only(model: Model, mesh, layout: jpack.Layout | None = None) -> Any:
       lambda state: to_tree(state.params), layout)
 
 
+def _floor(model: Model, mesh) -> Any:
+  """Loss, gradients and an SGD update on each device's own gradients: no reduction."""
+
+  def local(params, batch):
+    mine = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), params)
+    grads = jax.grad(model.loss)(mine, batch)
+    return jax.tree.map(lambda p, g: p - LEARNING_RATE * g.astype(p.dtype), params, grads)
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
+                               check_vma=False), donate_argnums=0)
+  return jpack.DataParallel(lambda p: jax.device_put(p, NamedSharding(mesh, P())), step,
+                            lambda p: p, None)
+
+
 def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
   """ZeRO-1 in plain jax + optax: f32 buckets filled from the last leaf, padded to a
   multiple of the devices, unpacked by a custom VJP; psum_scatter, adam, all_gather."""
@@ -314,14 +324,11 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
                             None)
 
 
-def _ravel_pmean(grads: Any) -> Any:
-  flat, unravel = ravel_pytree(grads)
-  return unravel(jax.lax.pmean(flat, AXIS))
-
-
 def build(v: Variant, model: Model, mesh) -> Built:
   """Variant ``v``'s step on ``mesh``: by jpack, by `jax.jit`, by hand, or a per-leaf step."""
-  layout = jpack.plan(model.params, num_shards=mesh.shape[AXIS])
+  # hand_pmean_options: the README's step, its layout planned with jpack.step_options.
+  layout = (_reference._reported_layout(model.params, mesh) if v.kind == "hand_pmean_options"
+            else jpack.plan(model.params, num_shards=mesh.shape[AXIS]))
   tx, loss, params = optimizer(v, model.params), model.loss, model.params
   if v.kind == "jpack":
     return Built(jpack.data_parallel(
@@ -335,20 +342,21 @@ def build(v: Variant, model: Model, mesh) -> Built:
                                      shard_params=v.kind == "jit_fsdp"), jit_mesh=True)
   if v.kind == "hand_zero1":
     return Built(_hand_zero1(model, mesh))
+  if v.kind == "floor":
+    return Built(_floor(model, mesh))
   if v.kind in ("grad_only", "packed_grad_only"):
     return Built(_grads_only(model, mesh, layout if v.kind == "packed_grad_only" else None))
   # The per-leaf steps: the optimizer (optax.MultiSteps as users write it: the step called
   # k times per step) and how the gradients are reduced.
   per_leaf = {
       "per_leaf": lambda: (tx, dict(param_dtype=v.param_dtype)),
-      "ravel": lambda: (tx, dict(reduce=_ravel_pmean)),
+      "ravel": lambda: (tx, dict(reduce=h.ravel_pmean)),
       "flatten": lambda: (optax.flatten(tx), {}),
       "hand_pmean": lambda: (tx, dict(reduce=lambda g: jpack.pmean(g, AXIS, layout=layout))),
       "optax_chain": lambda: (optax.chain(jpack.optax.allreduce(AXIS, grad_norm=True), tx),
                               dict(reduce=lambda g: g, norm=lambda s: s[0].grad_norm)),
-      "multisteps": lambda: (optax.MultiSteps(
-          tx, every_k_schedule=v.accumulate).gradient_transformation(), {})}
-  tx, options = per_leaf[v.kind]()
+      "multisteps": lambda: (_reference._multi_steps(tx, v.accumulate), {})}
+  tx, options = per_leaf[v.kind.removesuffix("_options")]()
   return Built(_reference.per_leaf_step(loss, tx, params, mesh, **options),
                calls=v.accumulate if v.kind == "multisteps" else 1)
 
@@ -481,17 +489,13 @@ def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, roun
 
 
 def _saving_values(r: Result, plain: Result | None) -> dict[str, Any]:
-  """A checkpoint row's figures (None for the other rows)."""
-  if r.saves is None:
-    return {"vs_no_saves": None, "save_call_s": None, "save_wait_s": None,
-            "saves": 0, "checkpoint_bytes": None, "no_saves_key": None}
-  ratio = None
-  if plain is not None and len(plain.block_s) == len(r.block_s):
-    ratio = statistics.median(a / b for a, b in zip(r.block_s, plain.block_s))
-  return {"vs_no_saves": ratio,
-          "save_call_s": statistics.median(r.saves.calls) if r.saves.calls else None,
-          "save_wait_s": statistics.median(r.saves.waits) if r.saves.waits else None,
-          "saves": len(r.saves.calls), "checkpoint_bytes": r.saves.bytes,
+  """A checkpoint row's figures against ``plain``, its mode's row (None for the others)."""
+  s, paired = r.saves, plain and len(plain.block_s) == len(r.block_s)
+  return {"vs_no_saves": statistics.median(a / b for a, b in zip(r.block_s, plain.block_s))
+          if paired else None,
+          "save_call_s": statistics.median(s.calls) if s and s.calls else None,
+          "save_wait_s": statistics.median(s.waits) if s and s.waits else None,
+          "saves": len(s.calls) if s else 0, "checkpoint_bytes": s and s.bytes,
           "no_saves_key": plain and plain.key}
 
 
@@ -600,11 +604,10 @@ NOTES = ("speed-up, spread, collectives, max |Δp|: docs/performance.md#training
 
 
 def run(opts: Any, report: h.Report) -> None:
-  keys, steps = list(opts.variants or []), opts.steps
   for name in opts.models or DEFAULT_MODELS:
     model = MODELS[name]()
     batch_rows = opts.batch or (REAL_MODEL_BATCH if name in REAL_MODELS else PER_DEVICE_BATCH)
-    run_keys = chosen(name, model, keys or None)
+    run_keys = chosen(name, model, opts.variants or None)
     if batch_rows % ACCUMULATE:
       run_keys = [k for k in run_keys if k not in ACCUMULATING]
     run_keys, steps = with_saving(run_keys, opts.steps)

@@ -138,3 +138,40 @@ def test_hand_written_fsdp_on_two_axes_gives_the_mean_gradient():
   want = jax.grad(loss_fn)(params, batch)  # the full batch: the mean of equal splits
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def _collectives(jaxpr):
+  """``(primitive, axes)`` of every collective in ``jaxpr``, in program order."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("psum", "psum_invariant", "reduce_scatter"):
+      axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+      yield eqn.primitive.name, tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+        if inner is not None:
+          yield from _collectives(inner if hasattr(inner, "eqns") else inner.jaxpr)
+
+
+def test_fsdp_averages_across_nodes_once_after_the_backward_pass():
+  # Averaged in each bucket's backward rule, the cross-node reductions sat between the
+  # reduce-scatters, and XLA:GPU kept more activations alive around them (docs/gpu.md).
+  params, mesh = init_params(), mesh_2d()
+  layout = jpack.plan(params, num_shards=PER_NODE, bucket_bytes=256, solo_bytes=None)
+  sharded = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+
+  def local(buckets, batch):
+    return jax.grad(jpack.fsdp(loss_fn, ("node", "gpu")))(jpack.Shards(buckets, layout),
+                                                          batch).buckets
+
+  step = jax.shard_map(local, mesh=mesh, in_specs=(P("gpu"), P(("node", "gpu"))),
+                       out_specs=P("gpu"))
+  buckets = tuple(jax.ShapeDtypeStruct((b.size,), b.dtype, sharding=sharded(P("gpu")))
+                  for b in layout.buckets)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharded(P(("node", "gpu")))), batches()[0])
+  order = [axes for _, axes in _collectives(jax.make_jaxpr(step)(buckets, batch).jaxpr)]
+  within = [i for i, axes in enumerate(order) if axes == ("gpu",)]
+  across = [i for i, axes in enumerate(order) if "node" in axes]
+  assert len(within) == len(layout.buckets) and across, order
+  assert max(within) < min(across), order

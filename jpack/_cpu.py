@@ -461,9 +461,12 @@ GPU_SOLO_NDIM = 2
 # ZeRO-3 gathers each bucket where the loss reads it; merged, the gathers would bring in
 # many buckets at once, ahead of their layers. With one collective in flight at a time
 # (XLA's default), the backward pass's gathers take its compute and most reduce-scatters
-# get none; two in flight let a gather and a reduce-scatter overlap it together.
+# get none; two in flight let a gather and a reduce-scatter overlap it together. On two
+# mesh axes the slices are all-reduced across nodes at the end of the backward pass: in
+# groups of 64 MiB XLA fits their buffers into one node's temp, in 8 MiB ones it did not.
 GPU_FSDP_COMPILER_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0,
-                             "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+                             "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+                             "xla_gpu_all_reduce_combine_threshold_bytes": 64 << 20}
 
 
 def step_defaults(devices: Any, n: int, slices: int, fsdp: bool = False

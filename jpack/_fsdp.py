@@ -267,9 +267,8 @@ def _gather_fwd(bucket, carrier, axis_name):
 def _gather_bwd(axis_name, residuals, ct):
   del residuals
   wide = wide_dtype(ct.dtype)
-  replicas, axis = slice_axes(axis_name)
+  axis = slice_axes(axis_name)[1]  # the replicas average once, later: `_replicated`
   n = axis_size(axis)
-  del replicas  # averaged over them once, after the whole backward pass: `_replicated`
   if ct.size == 0:
     return vary(jnp.zeros((0,), ct.dtype), axis_name), vary(jnp.zeros((0,), wide), axis_name)
   # Scaled before the reduce-scatter: the division fuses into the kernel that makes the

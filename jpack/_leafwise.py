@@ -116,24 +116,29 @@ class _Ranges:
     # The largest block that crosses no leaf's start (a multiple of the alignment): each
     # lies in one leaf's range, or the gap after it.
     self.block = math.gcd(length, *map(int, starts))
-    self.count, self.length = len(starts), length
-    self.first = jnp.int32(0) if axis_name is None else lax.axis_index(axis_name) * length
+    self.count, self.length, self.whole = len(starts), length, axis_name is None
+    self.first = jnp.int32(0) if self.whole else lax.axis_index(axis_name) * length
     if self.count == 1:
       self.leaf, self.end = None, jnp.asarray(ends[0], jnp.int32)
       return
     # Per block of the whole bucket, its leaf and that leaf's end; a slice reads its part.
-    leaf = np.searchsorted(starts, np.arange(bucket.size // self.block) * self.block,
-                           side="right") - 1
-    tables = [jnp.asarray(t.astype(np.int32)) for t in (leaf, ends[leaf])]
-    self.leaf, self.end = tables if axis_name is None else (
-        lax.dynamic_slice_in_dim(t, self.first // self.block, length // self.block)
-        for t in tables)
+    self.leaves = np.searchsorted(starts, np.arange(bucket.size // self.block) * self.block,
+                                  side="right").astype(np.int32) - 1
+    self.leaf, self.end = map(self._mine, (self.leaves, ends[self.leaves].astype(np.int32)))
 
-  def spread(self, values: jax.Array) -> jax.Array:
-    """Per element of the slice: its leaf's entry of ``values`` (one per leaf)."""
+  def _mine(self, table: np.ndarray) -> jax.Array:
+    """This slice's part of a per-block table of the whole bucket."""
+    return jnp.asarray(table) if self.whole else lax.dynamic_slice_in_dim(
+        jnp.asarray(table), self.first // self.block, self.length // self.block)
+
+  def spread(self, values: Any) -> jax.Array:
+    """Per element of the slice: its leaf's entry of ``values`` (one per leaf); numpy
+    values (a mask's flags) through a static table, not a gather at run time."""
     if self.count == 1:
       return jnp.broadcast_to(values[0], (self.length,))
-    return jnp.repeat(jnp.take(values, self.leaf), self.block)
+    per_block = (self._mine(values[self.leaves]) if isinstance(values, np.ndarray)
+                 else jnp.take(values, self.leaf))
+    return jnp.repeat(per_block, self.block)
 
   def sums_of_squares(self, x: jax.Array) -> jax.Array:
     """Each leaf's sum of squares over its range in the slice (at least f32, no gaps)."""
@@ -192,7 +197,7 @@ def masked(inner: optax.GradientTransformationExtraArgs, flags: tuple[bool, ...]
       if on.all() or not on.any():
         out.append(v if on.all() else u)
         continue
-      keep = _Ranges(layout, bucket, u.shape[0], axis_name).spread(jnp.asarray(on))
+      keep = _Ranges(layout, bucket, u.shape[0], axis_name).spread(on)
       out.append(jnp.where(keep, v, u))
     return tuple(out), optax.MaskedState(inner_state=inner_state)
 

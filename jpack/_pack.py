@@ -130,7 +130,7 @@ def _starts(layout: Layout, bucket: Any) -> tuple[int, ...]:
 
 
 def concat_with_gaps(flat: tuple[Any, ...], starts: tuple[int, ...], size: int, dtype: Any,
-                      concatenate: Callable[..., Any] = lambda xs: lax.concatenate(xs, 0)) -> Any:
+                     concatenate: Callable[..., Any] = lambda xs: lax.concatenate(xs, 0)) -> Any:
   """The bucket as one concatenate of the 1-D leaves and zero gaps."""
   zeros: dict[int, Any] = {}  # gaps take few distinct sizes: one zeros array per size
 

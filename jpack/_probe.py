@@ -98,7 +98,7 @@ def _outcome(part: Part, slots: list, on: str) -> tuple[int, Any]:
     return OK, None
   key = (identity(part.tx), spec, on)
   try:
-    found, verdict = _VERDICTS.get((key,))
+    found, verdict = _VERDICTS.get(key)
   except TypeError:  # an unhashable part (a transformation object of the user's own)
     return _in_worker(lambda: _probe(part, spec, on))
   if not found:
@@ -114,13 +114,13 @@ class Recent:
     self.limit, self.lock = limit, threading.Lock()
     self.kept: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
-  def get(self, keys: tuple[Any, ...]) -> tuple[bool, Any]:
+  def get(self, key: Any) -> tuple[bool, Any]:
+    """``(found, value)``; raises `TypeError` for an unhashable key."""
     with self.lock:
-      for key in keys:
-        if key in self.kept:
-          self.kept.move_to_end(key)
-          return True, self.kept[key]
-    return False, None
+      if key not in self.kept:
+        return False, None
+      self.kept.move_to_end(key)
+      return True, self.kept[key]
 
   def put(self, key: Any, value: Any) -> None:
     with self.lock:

@@ -417,6 +417,7 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
   # The model state is replicated, whatever its structure (known only at init).
   state_specs = _state_specs(state_shapes, axis_name, mode)._replace(model_state=P())
 
+  # Unchecked, as the shapes' trace above: both replay the one jaxpr `_traced_once` made.
   init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=state_specs,
                                   check_vma=False))
   step_sm = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(axis_name)),

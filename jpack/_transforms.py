@@ -356,7 +356,7 @@ def _check_on_leaves(tx: optax.GradientTransformationExtraArgs, inner: Inner,
   tree takes a second, and a notebook builds the same step again."""
   key = (identity(inner), layout)
   try:
-    if _PASSED.get((key,))[0]:
+    if _PASSED.get(key)[0]:
       return
   except TypeError:  # an unhashable part (a transformation object of the user's own)
     key = None

@@ -132,6 +132,12 @@ def parts(tx: Any, everywhere: bool = True) -> list[Part]:
   return found
 
 
+def known(tx: Any) -> bool:
+  """Whether every part of ``tx`` (or of each value of a dict of them) is in the table."""
+  return all(p.kind is not None for t in (tx.values() if isinstance(tx, dict) else [tx])
+             for p in parts(t))
+
+
 EXTRA_ARGS = key_of(optax.with_extra_args_support(  # the wrapper's update
     optax.GradientTransformation(lambda p: None, lambda u, s, p=None: (u, s))))
 _CHAIN_CODE = optax.chain(optax.identity()).update.__code__  # every chain's update

@@ -7,9 +7,8 @@ own leaves (ZeRO-1) it is probed once per process on a miniature of the params.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import threading
+import functools
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -96,40 +95,16 @@ def _outcome(part: Part, slots: list, on: str) -> tuple[int, Any]:
   spec = _miniature(slots)
   if not spec:
     return OK, None
-  key = (identity(part.tx), spec, on)
   try:
-    found, verdict = _VERDICTS.get(key)
+    hash(part)
   except TypeError:  # an unhashable part (a transformation object of the user's own)
     return _in_worker(lambda: _probe(part, spec, on))
-  if not found:
-    verdict = _in_worker(lambda: _probe(part, spec, on))
-    _VERDICTS.put(key, verdict)
-  return verdict
+  return _verdict(part, spec, on)
 
 
-class Recent:
-  """Values kept for the process, the least recently used dropped beyond ``limit``."""
-
-  def __init__(self, limit: int):
-    self.limit, self.lock = limit, threading.Lock()
-    self.kept: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-
-  def get(self, key: Any) -> tuple[bool, Any]:
-    """``(found, value)``; raises `TypeError` for an unhashable key."""
-    with self.lock:
-      if key not in self.kept:
-        return False, None
-      self.kept.move_to_end(key)
-      return True, self.kept[key]
-
-  def put(self, key: Any, value: Any) -> None:
-    with self.lock:
-      self.kept[key] = value
-      while len(self.kept) > self.limit:
-        self.kept.popitem(last=False)
-
-
-_VERDICTS = Recent(64)
+@functools.lru_cache(maxsize=64)  # the verdicts, for the process
+def _verdict(part: Part, spec: tuple, on: str) -> tuple[int, Any]:
+  return _in_worker(lambda: _probe(part, spec, on))
 
 
 def identity(inner: Any) -> Any:

@@ -20,6 +20,7 @@ from jpack._collectives import (Shards, all_gather, assert_same_layout, broadcas
 from jpack._grads import (accumulated_grads, average_state, check_accumulate, check_loss_fn,
                           with_state)
 from jpack._internal import dtype_name, outside_jit
+from jpack._constants import on_host_where_constant
 from jpack._labels import check_inner, group_fn_for, split_partition, with_extra_args
 from jpack._layout import PARTITION_HINT, Layout, plan
 from jpack._pack import Packed, flatten_like, pack, unpack
@@ -418,8 +419,8 @@ def _build(local_init, local_step, params_as, params_like, layout, axis_name, me
   state_specs = _state_specs(state_shapes, axis_name, mode)._replace(model_state=P())
 
   # Unchecked, as the shapes' trace above: both replay the one jaxpr `_traced_once` made.
-  init_sm = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=state_specs,
-                                  check_vma=False))
+  init_sm = on_host_where_constant(jax.shard_map(
+      local_init, mesh=mesh, in_specs=P(), out_specs=state_specs, check_vma=False), mesh)
   step_sm = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(axis_name)),
                                   out_specs=(state_specs, P())), donate_argnums=0,
                     compiler_options=compiler_options or None)

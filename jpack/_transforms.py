@@ -23,7 +23,8 @@ from jpack._pack import Packed, pack, unpack
 from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed, split_partition
-from jpack._probe import Recent, checker, described, identity, refused
+from jpack._known import known
+from jpack._probe import checker, described, identity, refused
 
 logger = logging.getLogger("jpack")
 
@@ -331,7 +332,8 @@ def placement(inner: Inner, where: str
       logger.info("jpack.optax.flat (layout %s): %s on the buckets, leaf by leaf",
                   layout.fingerprint, ", ".join(dict.fromkeys(computed)))
     if on_leaves:
-      _check_on_leaves(tx, inner, layout, where)
+      if not known(inner):  # a known part's needs are read from the table, by name
+        _check_on_leaves(tx, inner, layout, where)
       differ = ", ".join(dict.fromkeys(on_leaves))
       logger.info("jpack.optax.flat (layout %s): %s", layout.fingerprint,
                   f"{described(inner)} runs on the leaves ({differ} would differ on "
@@ -344,29 +346,30 @@ def placement(inner: Inner, where: str
   return running
 
 
-_PASSED = Recent(64)  # (optimizer, layout) pairs whose leaves' part passed
+@functools.lru_cache(maxsize=64)
+def _passed(key: Any) -> list[bool]:
+  """A box, for an (optimizer, layout) pair, that holds True once its leaves' part passed."""
+  return []
 
 
 def _check_on_leaves(tx: optax.GradientTransformationExtraArgs, inner: Inner,
                      layout: Layout, where: str) -> None:
-  """Raise from ``init`` what the leaves' part raises on the params' shapes (the
-  probe's miniature is not the params: a mask given as a tree fits only the params):
-  one abstract ``update``, without extra arguments and then with ``value=``. Once per
-  optimizer and layout in the process: the trace of a per-leaf optimizer on a large
-  tree takes a second, and a notebook builds the same step again."""
-  key = (identity(inner), layout)
+  """Raise from ``init`` what a probed (unknown) leaves' part raises on the params'
+  shapes, which its probe's miniature is not: one abstract ``update``, without extra
+  arguments and then with ``value=``. Once per optimizer and layout in the process (a
+  notebook builds the same step again)."""
   try:
-    if _PASSED.get(key)[0]:
-      return
+    passed = _passed((identity(inner), layout))
   except TypeError:  # an unhashable part (a transformation object of the user's own)
-    key = None
+    passed = []
+  if passed:
+    return
   buckets = tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in layout.buckets)
   error = None
   for extra in ({}, {"value": jax.ShapeDtypeStruct((), jnp.float32)}):
     try:
       jax.eval_shape(lambda g, e: tx.update(g, tx.init(g), g, **e), buckets, extra)
-      if key is not None:
-        _PASSED.put(key, None)
+      passed.append(True)
       return
     except Exception as e:  # noqa: BLE001 - named in the refusal
       error = error or e

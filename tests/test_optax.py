@@ -257,7 +257,7 @@ def test_known_transformations_are_not_probed_and_others_once_even_under_jit(mon
   from jpack import _probe
   calls = []
   probe = _probe._probe
-  monkeypatch.setattr(_probe, "_VERDICTS", _probe.Recent(64))
+  _probe._verdict.cache_clear()
   monkeypatch.setattr(_probe, "_probe", lambda *a: calls.append(a[2]) or probe(*a))
   tx = jpack.optax.flat(optax.lamb(1e-3))
   for init in (jax.jit(tx.init), lambda p: jax.eval_shape(tx.init, p), tx.init):

@@ -34,9 +34,10 @@ def probes(monkeypatch):
   """The probe runs (calls of `_probe._probe`: target, axis), from an empty cache."""
   calls = []
   probe = _probe._probe
-  monkeypatch.setattr(_probe, "_VERDICTS", _probe.Recent(64))
+  _probe._verdict.cache_clear()
   monkeypatch.setattr(_probe, "_probe", lambda *a: calls.append(a[2:]) or probe(*a))
-  return calls
+  yield calls
+  _probe._verdict.cache_clear()  # verdicts of the spy's probes
 
 
 def halving():
@@ -73,14 +74,13 @@ def test_refusals_are_kept_and_still_raised(probes):
   assert counts[0] >= 1 and counts[1] == counts[0]  # the second build probes nothing
 
 
-def test_the_cache_is_bounded(probes, monkeypatch):
-  monkeypatch.setattr(_probe._VERDICTS, "limit", 2)
+def test_the_cache_is_bounded(probes):
   txs = [halving() for _ in range(3)]
   for tx in txs + txs[-1:]:
     jpack.optax.flat(tx).init(params0())
-  assert len(probes) == 3 and len(_probe._VERDICTS.kept) == 2
-  jpack.optax.flat(txs[0]).init(params0())  # dropped: probed again
-  assert len(probes) == 4
+  assert len(probes) == 3
+  info = _probe._verdict.cache_info()
+  assert info.currsize == 3 and info.maxsize == 64
 
 
 @pytest.mark.parametrize("mode", ["packed", "sharded"])

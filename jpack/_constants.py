@@ -94,9 +94,12 @@ def on_host_where_constant(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., 
   the outputs that constants decide made on the host (new arrays at every call: a step
   donates them); traced once per argument types."""
   cache: dict[Any, Any] = {}
+  compiled = jax.jit(fn)
 
   def run(*args):
     leaves, tree = jax.tree.flatten(args)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):  # eval_shape, jit: no arrays
+      return compiled(*args)
     key = (tree, tuple(jax.typeof(x) for x in leaves))
     if key not in cache:
       closed, shapes = jax.make_jaxpr(lambda *xs: fn(*tree.unflatten(xs)),

@@ -47,6 +47,8 @@ def test_init_on_the_host_is_the_compiled_program():
   for key in got:
     got[key].delete()
   np.testing.assert_array_equal(np.asarray(again["by_device"]), np.asarray(want["by_device"]))
+  traced = jax.jit(run)(*args)  # under a trace (jit, eval_shape): the program's values
+  np.testing.assert_array_equal(np.asarray(traced["grid"]), np.asarray(want["grid"]))
   closed = jax.make_jaxpr(fn)(*args)
   known = _constants._known_outputs(closed, MESH)
   names = sorted(want)  # a dict's leaves are in sorted key order

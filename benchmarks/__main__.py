@@ -13,9 +13,7 @@ import pathlib
 import sys
 from typing import Any
 
-from benchmarks import BENCHMARKS
-
-EPILOG = "names are comma-separated; each benchmark's models and variants: --list"
+from benchmarks import BENCHMARKS, render  # render imports no JAX
 
 
 def _positive(kind: type, most: float = float("inf")) -> Any:
@@ -46,8 +44,9 @@ def _output(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m benchmarks", epilog=EPILOG,
-                              description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(
+      prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+      epilog="names are comma-separated; each benchmark's models and variants: --list")
   p.add_argument("name", choices=[*BENCHMARKS, "render"], metavar="NAME",
                  help=f"one of {', '.join(BENCHMARKS)}; render")
   p.add_argument("--list", action="store_true", help="list the models and variants")
@@ -95,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
   p = parser()
   opts = p.parse_args(argv)
   if opts.name == "render":
-    from benchmarks import render
     return render.main(check=opts.check)
   os.environ.update(BENCHMARKS[opts.name])  # before JAX's backend starts
   module = importlib.import_module(f"benchmarks.{opts.name}")
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
   for key, value in {**module.DEFAULTS, **(module.QUICK if opts.quick else {})}.items():
     if getattr(opts, key, None) is None:
       setattr(opts, key, value)
-  opts.json = opts.json or str(harness.RESULTS_DIR / f"{opts.name}.json")
+  opts.json = opts.json or str(render.RESULTS_DIR / f"{opts.name}.json")
   earlier = (json.loads(pathlib.Path(opts.json).read_text())
              if opts.update and pathlib.Path(opts.json).is_file() else None)
   report = harness.Report(opts.name, module.TITLE, argv)
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if earlier is not None:
       doc = harness.merged(earlier, doc, module.MERGE_KEY, list(module.VARIANTS),
                            list(module.MODELS))
-    report.write(opts.json, opts.markdown, getattr(module, "finish", lambda d: d)(doc))
+    report.write(getattr(module, "finish", lambda d: d)(doc), opts.json, opts.markdown)
 
   opts.save = save
   module.run(opts, report)

@@ -3,6 +3,7 @@ MLP 40x256, adam, 8 CPU devices, each mode of `VARIANTS`, loops interleaved in r
 """
 
 import dataclasses
+import functools
 import pathlib
 import shutil
 import statistics
@@ -48,21 +49,6 @@ def make_manager(directory: pathlib.Path, *, asynchronous: bool = True,
       enable_async_checkpointing=asynchronous))
 
 
-def run_steps(step_fn: Any, state: Any, batch: Any, start: int, steps: int,
-              manager: Any = None) -> tuple[Any, Any, list[float]]:
-  """``steps`` steps from ``start``, saving where ``manager`` does: the state, the last
-  metrics, and each saving call's time (the queued steps waited for outside it)."""
-  calls, metrics = [], None
-  for step in range(start, start + steps):
-    state, metrics = step_fn(state, batch)
-    if manager is not None and manager.should_save(step + 1):
-      jax.block_until_ready(state)
-      ok, seconds = h.timed(lambda: jpack.checkpoint.save(manager, step + 1, state))
-      assert ok
-      calls.append(seconds)
-  return state, metrics, calls
-
-
 def checkpoint_bytes(manager: Any) -> int:
   """The size on disk of ``manager``'s latest checkpoint (0: none)."""
   latest = pathlib.Path(manager.directory) / str(manager.latest_step())
@@ -70,59 +56,74 @@ def checkpoint_bytes(manager: Any) -> int:
 
 
 @dataclasses.dataclass
-class Loop:  # one way of looping, and what its rounds took
-  dp: Any
-  state: Any
-  batch: Any
-  kind: str
-  root: pathlib.Path
+class Saves:
+  """Steps saved by an Orbax ``manager`` (none without one), and what saving took: each
+  saving call, each wait for the writes at the end of a loop, the last checkpoint's size."""
+  manager: Any = None
   calls: list[float] = dataclasses.field(default_factory=list)
   waits: list[float] = dataclasses.field(default_factory=list)
   bytes: int = 0
-  manager: Any = None
 
-  def __call__(self, steps: int) -> Any:
-    if self.kind != "none":
-      self.manager = make_manager(self.root / f"{self.kind}-{len(self.waits)}",
-                                  asynchronous=self.kind == "async")
-    self.state, metrics, calls = run_steps(self.dp.step, self.state, self.batch,
-                                           int(self.state.step), steps, self.manager)
-    self.calls += calls
-    return metrics["loss"]
+  def run(self, step_fn: Any, state: Any, batch: Any, steps: int) -> tuple[Any, Any]:
+    """``steps`` steps from the state's count, saving where the manager does: the state
+    and the last metrics. A saving call is timed once the queued steps are done."""
+    metrics, start = None, int(state.step)
+    for step in range(start + 1, start + steps + 1):
+      state, metrics = step_fn(state, batch)
+      if self.manager is not None and self.manager.should_save(step):
+        jax.block_until_ready(state)
+        ok, seconds = h.timed(lambda: jpack.checkpoint.save(self.manager, step, state))
+        assert ok
+        self.calls.append(seconds)
+    return state, metrics
 
-  def finish(self) -> None:
-    if self.manager is not None:
-      _, wait = h.timed(self.manager.wait_until_finished)
-      self.waits.append(wait)
-      self.bytes = checkpoint_bytes(self.manager)
-      self.manager.close()
-      shutil.rmtree(self.manager.directory, ignore_errors=True)
-      self.manager = None
+  def wait(self, state: Any = None) -> None:
+    """Wait for ``state`` and the manager's writes under way, timed."""
+    _, seconds = h.timed(lambda: (jax.block_until_ready(state),
+                                  self.manager.wait_until_finished()))
+    self.waits.append(seconds)
+
+  def close(self) -> None:
+    """Keep the last checkpoint's size; close the manager, delete its folder."""
+    self.bytes = checkpoint_bytes(self.manager)
+    self.manager.close()
+    shutil.rmtree(self.manager.directory, ignore_errors=True)
+    self.manager = None
+
+  def medians(self) -> tuple[float | None, float | None]:
+    """The median saving call and wait (None where there were none)."""
+    return tuple(statistics.median(x) if x else None for x in (self.calls, self.waits))
 
 
-def bench_mode(mode: str, steps: int, rounds: int, root: pathlib.Path) -> tuple[dict, dict]:
+def bench_mode(mode: str, steps: int, rounds: int, root: pathlib.Path
+               ) -> tuple[dict[str, h.Timing], dict[str, Saves]]:
   from benchmarks.step import PER_DEVICE_BATCH, mlp
 
   model = mlp(*MODELS["mlp_40x256"])
   dp = jpack.data_parallel(model.loss, optax.adam(1e-3), model.params, mode=mode)
   batch = jax.device_put(model.batch(PER_DEVICE_BATCH * DEVICES),
                          jax.sharding.NamedSharding(h.mesh(DEVICES), jax.P(h.AXIS)))
-  state = dp.init(model.params)
-  # Compile the step and warm up a save (Orbax starts its threads).
-  warm = Loop(dp, state, batch, "async", root / f"{mode}-warm-up")
-  warm(EVERY)
-  warm.finish()
-  loops = {k: Loop(dp, None, batch, k, root / f"{mode}-{k}") for k in LOOPS}
+  box = [dp.init(model.params)]  # the loops take turns on one state: donated, passed on
+  saves = {k: Saves() for k in ("warm-up", *LOOPS)}
 
-  def call(kind: str) -> Any:
-    loops[kind].state = warm.state  # the loops take turns on one state: donated, passed on
-    out = loops[kind](steps)
-    warm.state = loops[kind].state
-    return out
+  def loop(kind: str, n: int) -> Any:
+    s = saves[kind]
+    if kind != "none":  # a manager a round: `finish` waits for its writes, then closes it
+      s.manager = make_manager(root / f"{mode}-{kind}" / str(len(s.waits)),
+                               asynchronous=kind != "sync")
+    box[0], metrics = s.run(dp.step, box[0], batch, n)
+    return metrics["loss"]
 
-  timings = h.time_rounds({k: lambda k=k: call(k) for k in LOOPS}, rounds, warmup=0,
-                          after=lambda k: loops[k].finish())
-  return timings, loops
+  def finish(kind: str) -> None:
+    if saves[kind].manager is not None:
+      saves[kind].wait()
+      saves[kind].close()
+
+  loop("warm-up", EVERY)  # compiles the step and warms up a save (Orbax starts its threads)
+  finish("warm-up")
+  timings = h.time_rounds({k: functools.partial(loop, k, steps) for k in LOOPS}, rounds,
+                          warmup=0, after=finish)
+  return timings, {k: saves[k] for k in LOOPS}
 
 
 def run(opts: Any, report: h.Report) -> None:
@@ -139,8 +140,7 @@ def run(opts: Any, report: h.Report) -> None:
       for kind, loop in loops.items():
         t = timings[kind]
         ratio = t.over(timings["none"])
-        call_s = statistics.median(loop.calls) if loop.calls else None
-        wait_s = statistics.median(loop.waits) if loop.waits else None
+        call_s, wait_s = loop.medians()
         table.add(f"jpack {mode}, {LOOPS[kind]}", h.fmt_ms(t.median_s / opts.steps),
                   h.fmt_ratio(ratio), h.fmt_ms(call_s), h.fmt_ms(wait_s),
                   f"{loop.bytes / 2**20:.1f}" if loop.bytes else "-",

@@ -81,13 +81,13 @@ def bench_workload(mesh, w: h.Workload, variants: list[str], rounds: int
                 P(AXIS))(tree)
   specs["jpack_packed"] = (lambda p: jpack.pmean(_local(p), AXIS), P(), packed)
   rng = np.random.default_rng(1)
-  single = h.place(h.random_numpy((DEVICES, w.nbytes // 4), np.float32, rng), sharding)
+  single = jax.device_put(h.random_numpy((DEVICES, w.nbytes // 4), np.float32, rng), sharding)
   specs["floor"] = (lambda x: lax.pmean(_local(x), AXIS), P(), single)
   per_dtype = collections.Counter()  # bytes of each dtype
   for s in w.shapes.values():
     per_dtype[np.dtype(s.dtype)] += math.prod(s.shape) * np.dtype(s.dtype).itemsize
   if set(per_dtype) != {np.dtype(np.float32)}:
-    arrays = [h.place(h.random_numpy((DEVICES, n // d.itemsize), d, rng), sharding)
+    arrays = [jax.device_put(h.random_numpy((DEVICES, n // d.itemsize), d, rng), sharding)
               for d, n in per_dtype.items()]
     specs["floor_dtypes"] = (lambda xs: lax.pmean(_local(xs), AXIS), P(), arrays)
   specs = {k: specs[k] for k in VARIANTS if k in specs and k in variants}
@@ -144,21 +144,21 @@ def run(opts: Any, report: h.Report) -> None:
   mb = lambda n: f"{n / 1e6:.3g}" if n < 1e8 else f"{n / 1e6:.0f}"
   for name, res in results.items():
     base_c = res["per_leaf"]["compiled"].total_s if "per_leaf" in res else None
+    w = workloads[name]
     for key, r in res.items():
-      c, vs = r["compiled"], r["vs"]
+      c, t, vs = r["compiled"], r["timing"], r["vs"]
       c_vs = h.ratio(c.total_s, base_c)
-      main.add(label(name), VARIANTS[key], h.fmt_ms(r["timing"].median_s),
-               h.fmt_ratio(vs.get("per_leaf")), h.fmt_ratio(vs.get("floor")), h.fmt_s(c.lower_s),
-               h.fmt_s(c.compile_s), h.fmt_ratio(c_vs), r["colls"].short(), workload=name,
-               key=key, leaves=workloads[name].num_leaves,
-               elements=workloads[name].num_elements, run_s=r["timing"].median_s,
-               run_min_s=r["timing"].min_s, runs=r["timing"].runs,
-               vs_per_leaf=vs.get("per_leaf"), vs_floor=vs.get("floor"), lower_s=c.lower_s,
-               compile_s=c.compile_s, compile_vs_per_leaf=c_vs, **h.collective_values(r["colls"]))
+      main.add(label(name), VARIANTS[key], h.fmt_ms(t.median_s), h.fmt_ratio(vs.get("per_leaf")),
+               h.fmt_ratio(vs.get("floor")), h.fmt_s(c.lower_s), h.fmt_s(c.compile_s),
+               h.fmt_ratio(c_vs), r["colls"].short(), workload=name, key=key,
+               leaves=w.num_leaves, elements=w.num_elements, run_s=t.median_s,
+               run_min_s=t.min_s, runs=t.runs, vs_per_leaf=vs.get("per_leaf"),
+               vs_floor=vs.get("floor"), lower_s=c.lower_s, compile_s=c.compile_s,
+               compile_vs_per_leaf=c_vs, **h.collective_values(r["colls"]))
       if key in GOAL_VARIANTS:
         checks = [("run <= 3x floor", vs.get("floor"), PMEAN_VS_FLOOR_GOAL),
                   ("run <= per-leaf", vs.get("per_leaf"), 1.0)]
-        if workloads[name].num_leaves >= 1000:
+        if w.num_leaves >= 1000:
           checks.append(("compile <= per-leaf (>= 1000 leaves)", c_vs, 1.0))
         for text, v, limit in checks:
           h.add_goal(goals, text, label(name), VARIANTS[key], value=v, limit=limit,
@@ -166,18 +166,16 @@ def run(opts: Any, report: h.Report) -> None:
     layout = layouts[name]
     native = sum(b.nbytes for b in layout.buckets)
     bf16 = sum(b.nbytes // 2 if b.dtype == np.float32 else b.nbytes for b in layout.buckets)
-    moved = [None, None, None, None]
-    for i, key in enumerate(("jpack_sg", "jpack_bf16")):
-      if key in res:
-        b = res[key]["colls"].result_bytes
-        moved[2 * i:2 * i + 2] = (b["all-reduce"] + DEVICES * b["reduce-scatter"]
-                                  + b["all-to-all"], b["all-gather"])
+    moved = {}  # by the HLO: reduce-scatter's input is N times its result
+    for tag, key in (("sg", "jpack_sg"), ("bf16", "jpack_bf16")):
+      b = res[key]["colls"].result_bytes if key in res else None
+      moved[f"hlo_reduced_bytes_{tag}"] = b and (
+          b["all-reduce"] + DEVICES * b["reduce-scatter"] + b["all-to-all"])
+      moved[f"hlo_gathered_bytes_{tag}"] = b and b["all-gather"]
     wire.add(label(name), layout.num_leaves, len(layout.buckets), mb(layout.leaf_nbytes),
-             mb(native), mb(bf16), *(mb(n) if n is not None else "-" for n in moved),
+             mb(native), mb(bf16), *("-" if n is None else mb(n) for n in moved.values()),
              workload=name, leaves=layout.num_leaves, buckets=len(layout.buckets),
-             leaf_bytes=layout.leaf_nbytes, wire_bytes=native, bf16_wire_bytes=bf16,
-             hlo_reduced_bytes_sg=moved[0], hlo_gathered_bytes_sg=moved[1],
-             hlo_reduced_bytes_bf16=moved[2], hlo_gathered_bytes_bf16=moved[3])
+             leaf_bytes=layout.leaf_nbytes, wire_bytes=native, bf16_wire_bytes=bf16, **moved)
   report.table(main)
   report.table(wire)
   if "resnet50" in results:

@@ -132,10 +132,10 @@ def run(opts: Any, report: h.Report) -> None:
                     title="optax.chain(jpack.optax.allreduce, adam) / "
                           "data_parallel(mode='allreduce'), paired by rounds")
     mesh = h.mesh(DEVICES)
+    rows = NamedSharding(mesh, P(AXIS))  # split over the devices
     for name in opts.models:
       model = st.MODELS[name]()
-      batch = jax.device_put(model.batch(st.PER_DEVICE_BATCH * DEVICES),
-                             NamedSharding(mesh, P(AXIS)))
+      batch = jax.device_put(model.batch(st.PER_DEVICE_BATCH * DEVICES), rows)
       times = {}
       for key in [*(opts.variants or VARIANTS), CHAIN]:
         label = "optax.chain(allreduce, adam)" if key == CHAIN else f"data_parallel({key})"
@@ -149,8 +149,7 @@ def run(opts: Any, report: h.Report) -> None:
                   new_ratio=r[NEW], goal=CHAIN_GOAL, ok=r[NEW] <= CHAIN_GOAL)
       h.release_host_memory()
     w = h.synthetic_small_leaves(200 if opts.quick else 1000)
-    tree = h.random_tree(w.shapes, seed=0, lead=DEVICES,
-                         sharding=NamedSharding(mesh, P(AXIS)))
+    tree = h.random_tree(w.shapes, seed=0, lead=DEVICES, sharding=rows)
     sides = {k: pmean_side(m, mesh, w, tree) for k, m in modules.items()}
     add_rows(table, f"{w.num_leaves} small f32 leaves", "pmean (tree in, tree out)", sides,
              opts.rounds, opts.steps)

@@ -9,9 +9,6 @@ line a compiled peak lies. (Programs much deeper than the deepest probe take XLA
 most of an hour each to compile here.)
 """
 
-import jax
-import numpy as np
-
 from benchmarks import gpu_compile, models
 from benchmarks import harness as h
 
@@ -60,7 +57,7 @@ def run(opts, report: h.Report) -> None:
   for key in opts.variants or VARIANTS:
     print(f"  fitting {key} ...", flush=True)
     (layers, per_layer, off), seconds = h.timed(lambda: deepest(key))
-    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(gpt(layers).params))
+    params = gpt(layers).num_params
     print(f"  {key}: {layers} layers; at {PROBES[1]} the compiled peak is "
           f"{off / 2**20:+,.0f} MiB from the line", flush=True)
     table.add(VARIANTS[key], layers, f"{params / 1e9:.2f}", f"{per_layer / GIB:.2f}",

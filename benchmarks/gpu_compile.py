@@ -20,7 +20,6 @@ import jpack
 from benchmarks import harness as h
 from benchmarks import models
 from benchmarks import step as step_bench
-from benchmarks.step import Variant
 from benchmarks.render import GPU_COLUMNS
 from jpack._reference import CollectiveOp, Program, analyze_program
 
@@ -34,7 +33,7 @@ MODELS = (*models.FULL_SIZE, *models.LARGE)
 DEFAULTS = dict(models=list(models.FULL_SIZE))
 QUICK = dict(models=["gpt2_small"], variants=["floor", "per_leaf", "allreduce", "packed",
                                               "sharded"])
-_v = functools.partial(Variant, optimizer="adamw")
+_v = functools.partial(step_bench.Variant, optimizer="adamw")
 BF16 = jnp.bfloat16
 VARIANTS = {
     "floor": _v("floor: grads + SGD, no reduction", kind="floor"),
@@ -120,24 +119,21 @@ class Result:
   lower_s: float
   compile_s: float
   hlo: str = dataclasses.field(repr=False, default="")
-
-  @property
-  def peak_bytes(self) -> int:
-    """Arguments + temp: the step donates its state, so its outputs reuse the arguments."""
-    return self.arg_bytes + self.temp_bytes
+  # The step donates its state: its outputs reuse the arguments' buffers.
+  peak_bytes = property(lambda self: self.arg_bytes + self.temp_bytes)
 
 
 def compile_variant(key: str, model: models.Model, mesh, rows: int = ROWS_PER_DEVICE
                     ) -> Result:
   """Lower and compile variant ``key``'s step for the mesh, on abstract values."""
-  built = step_bench.build(VARIANTS[key], model, mesh)
-  state = jax.eval_shape(built.dp.init, model.params)
+  dp = step_bench.build(VARIANTS[key], model, mesh)
+  state = jax.eval_shape(dp.init, model.params)
   # The jit steps place the batch by their own in_shardings (on a mesh of Auto axes).
-  split = None if built.jit_mesh else NamedSharding(mesh, P(AXIS))
+  split = None if VARIANTS[key].jit_mesh else NamedSharding(mesh, P(AXIS))
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split),
                        model.batch_like(rows * mesh.shape[AXIS]))
   # jpack's steps carry their jit (and compiler options).
-  c = h.compile_fn(built.dp.step, state, batch, jit_kwargs={"donate_argnums": 0},
+  c = h.compile_fn(dp.step, state, batch, jit_kwargs={"donate_argnums": 0},
                    options=COMPILER_OPTIONS[key](mesh) if key in COMPILER_OPTIONS else None)
   mem, text = c.fn.memory_analysis(), c.text()
   return Result(key, analyze_program(text), mem.temp_size_in_bytes,
@@ -155,8 +151,7 @@ def zero3_goals(results: dict[str, Result], grad_bytes: int, large: bool
   best = min(r.peak_bytes for r in jit)
   out = {}
   for key in ("fsdp", "fsdp_bf16_params"):
-    r = results.get(key)
-    if r is None:
+    if (r := results.get(key)) is None:
       continue
     big = [c for c in r.program.collectives
            if c.op in ("all-gather", "reduce-scatter") and c.bytes >= 2**20]
@@ -198,20 +193,18 @@ def run_workload(name: str, variants: list[str], report: h.Report,
                  model: models.Model | None = None) -> dict[str, Result]:
   model = model or models.full_size(name)
   mesh = gpu_mesh()
-  grad_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(model.params))
+  leaves = jax.tree.leaves(model.params)
+  grad_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
+  bf16_weights = all(jnp.dtype(x.dtype).itemsize == 2 for x in leaves if x.ndim == 2)
   results: dict[str, Result] = {}
   for key in variants:
-    if key.endswith("bf16_params") and all(jnp.dtype(x.dtype).itemsize == 2
-                                           for x in jax.tree.leaves(model.params)
-                                           if x.ndim == 2):
+    if key.endswith("bf16_params") and bf16_weights:
       continue  # its weights are bf16 already
     print(f"  {name}: compiling {key} ...", flush=True)
     try:
       results[key] = compile_variant(key, model, mesh, ROWS.get(name, ROWS_PER_DEVICE))
     except Exception as e:  # noqa: BLE001 (one variant's failure must not lose the rest)
-      print(f"  {name}: {key} failed: {type(e).__name__}: {e}", flush=True)
-      report.text(f"{name}: {key} failed to compile: {type(e).__name__}: {e}")
+      report.text(f"{name}: {key} failed to compile: {type(e).__name__}: {e}")  # and prints
   table = h.Table(GPU_COLUMNS, title=f"{name}: {model.describe}, {model.num_leaves} leaves, "
                         f"{model.num_params / 1e6:.1f} M params; compiled for 8 H100s, not run")
   for key, r in results.items():

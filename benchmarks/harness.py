@@ -1,6 +1,7 @@
 """What every benchmark shares: workloads and inputs, the one way to time, tables and the
 results file. Starts no JAX backend at import (`__main__` sets the CPU devices after)."""
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -16,7 +17,9 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jaxlib
 import numpy as np
+import optax
 from jax.flatten_util import ravel_pytree
 
 import jpack
@@ -25,7 +28,6 @@ from jpack._reference import Collectives, count_collectives, human_bytes  # noqa
 
 BENCHMARKS_DIR = pathlib.Path(__file__).resolve().parent
 WORKLOADS_DIR = BENCHMARKS_DIR / "workloads"
-RESULTS_DIR = BENCHMARKS_DIR / "results"
 AXIS = "batch"
 
 
@@ -102,13 +104,9 @@ def random_tree(shapes: dict[str, jax.ShapeDtypeStruct], *, seed: int = 0,
                 lead: int | None = None, sharding: Any = None) -> dict[str, jax.Array]:
   """Random arrays for ``shapes`` (with a leading axis ``lead``), placed by ``sharding``."""
   rng = np.random.default_rng(seed)
-  return jax.block_until_ready({
-      path: place(random_numpy(s.shape if lead is None else (lead, *s.shape), s.dtype, rng),
-                  sharding) for path, s in shapes.items()})
-
-
-def place(x: Any, sharding: Any = None) -> jax.Array:
-  return jax.device_put(x, jax.devices()[0] if sharding is None else sharding)
+  full = lambda s: s.shape if lead is None else (lead, *s.shape)
+  return jax.block_until_ready({path: jax.device_put(random_numpy(full(s), s.dtype, rng), sharding)
+                                for path, s in shapes.items()})
 
 
 def mesh(n: int) -> jax.sharding.Mesh:
@@ -257,16 +255,12 @@ class Report:
             "tables": [p.json() for p in self.parts if isinstance(p, Table)],
             "notes": [p for p in self.parts if not isinstance(p, Table)]}
 
-  def write(self, json_path: str | None, markdown_path: str | None = None,
-            doc: dict[str, Any] | None = None) -> None:
-    """Write the Markdown and ``doc`` (default: `json`) to the paths given."""
+  def write(self, doc: dict[str, Any], json_path: str, markdown_path: str | None) -> None:
+    """Write ``doc`` (`json`, maybe merged) and, if asked, the Markdown (folders exist)."""
     if markdown_path:
       pathlib.Path(markdown_path).write_text(self.markdown())
-    if json_path:
-      pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-      pathlib.Path(json_path).write_text(
-          json.dumps(finite(self.json() if doc is None else doc), indent=1) + "\n")
-      print(f"\nWrote {json_path}", flush=True)
+    pathlib.Path(json_path).write_text(json.dumps(finite(doc), indent=1) + "\n")
+    print(f"\nWrote {json_path}", flush=True)
 
 
 def merged(earlier: dict[str, Any], now: dict[str, Any], name: str, row_order: list[str],
@@ -342,14 +336,8 @@ def add_goal(table: Table, text: str, *cells: Any, value: float | None, limit: f
 def machine_info() -> dict[str, Any]:
   """CPU model and cores, library versions, and the devices JAX runs on."""
   cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  import jaxlib
-  import optax
-
+  with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
+    cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
   devices = jax.devices()
   return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
           "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
@@ -367,7 +355,5 @@ def machine() -> str:
 def release_host_memory() -> None:
   """Hand freed (malloc'ed XLA:CPU) buffers back to the OS between phases (glibc only)."""
   gc.collect()
-  try:
+  with contextlib.suppress(OSError, AttributeError):  # not glibc
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):  # not glibc
-    pass

@@ -58,9 +58,9 @@ def _make(shapes: dict[str, tuple[tuple[int, ...], Any, str]], seed: int, abstra
 
 def _data(like: Callable[[int], Any], seed: int, high: int = 0):
   """``(batch, like)``: ``batch(n)`` draws ``like(n)``'s arrays in order, floats normal
-  and integers in [0, high)."""
+  and integers in [0, high), from a stream other than the params' (``seed`` + 1)."""
   def batch(n):
-    r = np.random.default_rng(seed)
+    r = np.random.default_rng(seed + 1)
     return jax.tree.map(lambda s: r.integers(0, high, s.shape, dtype=s.dtype)
                         if jnp.issubdtype(s.dtype, jnp.integer)
                         else r.standard_normal(s.shape).astype(s.dtype), like(n))
@@ -68,8 +68,9 @@ def _data(like: Callable[[int], Any], seed: int, high: int = 0):
   return batch, like
 
 
-def _tokens(vocab: int, length: int, seed: int):
-  return _data(lambda n: jax.ShapeDtypeStruct((n, length), jnp.int32), seed, vocab)
+def _tokens(vocab: int, seq: int, seed: int):
+  """Rows of ``seq`` + 1 tokens: the inputs and, shifted by one, the targets."""
+  return _data(lambda n: jax.ShapeDtypeStruct((n, seq + 1), jnp.int32), seed, vocab)
 
 
 def _layer_norm(x, g, b, eps=1e-5):
@@ -154,9 +155,8 @@ def gpt2(layers: int = 12, width: int = 768, vocab: int = 50257, positions: int 
     h = _layer_norm(h, params["ln_f"]["g"], params["ln_f"]["b"])
     return _cross_entropy(h @ params["wte"].T, y)
 
-  batch, like = _tokens(vocab, seq + 1, seed + 1)
   return Model(name, f"GPT-2 decoder {layers}x{width}", _make(s, seed, abstract), loss,
-               batch, like)
+               *_tokens(vocab, seq, seed))
 
 
 def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int = 512,
@@ -192,9 +192,8 @@ def bert(layers: int = 12, width: int = 768, vocab: int = 30522, positions: int 
     pooled = jnp.tanh(h[:, 0] @ params["pooler"]["w"] + params["pooler"]["b"])
     return _cross_entropy(h @ e["word"].T, y) + jnp.mean(jnp.square(pooled))
 
-  batch, like = _tokens(vocab, seq + 1, seed + 1)
   return Model(name, f"BERT encoder {layers}x{width}", _make(s, seed, abstract), loss,
-               batch, like)
+               *_tokens(vocab, seq, seed))
 
 
 def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32000,
@@ -228,9 +227,8 @@ def llama(layers: int = 8, width: int = 512, hidden: int = 1376, vocab: int = 32
     h = _rms_norm(h, params["norm"]).astype(bf16)
     return _cross_entropy(h @ params["lm_head"], y)
 
-  batch, like = _tokens(vocab, seq + 1, seed + 1)
   return Model(name, f"llama-like LM {layers}x{width}, bf16 weights",
-               _make(s, seed, abstract), loss, batch, like)
+               _make(s, seed, abstract), loss, *_tokens(vocab, seq, seed))
 
 
 def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
@@ -260,9 +258,8 @@ def vit(layers: int = 12, width: int = 768, patch: int = 16, image: int = 224,
     h = _layer_norm(h[:, 0], params["ln_f"]["g"], params["ln_f"]["b"])
     return _cross_entropy(h @ params["head"]["w"] + params["head"]["b"], labels)
 
-  batch, like = _images(image, classes, seed + 1)
   return Model(name, f"ViT encoder {layers}x{width}, {patch}x{patch} patches of "
-               f"{image}x{image}", _make(s, seed, abstract), loss, batch, like)
+               f"{image}x{image}", _make(s, seed, abstract), loss, *_images(image, classes, seed))
 
 
 def _images(image: int, classes: int, seed: int):
@@ -305,10 +302,9 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
         bns[p + "proj_bn"] = out
       cin = out
   s.update(_linear("head", cin, classes, "kernel", "bias"))
-  state = None
-  if bn_state:
-    state = _make({f"{path}/{stat}": ((c,), f32, "zeros" if stat == "mean" else "ones")
-                   for path, c in bns.items() for stat in ("mean", "var")}, seed, abstract)
+  stats = {f"{path}/{stat}": ((c,), f32, "zeros" if stat == "mean" else "ones")
+           for path, c in bns.items() for stat in ("mean", "var")}
+  state = _make(stats, seed, abstract) if bn_state else None
 
   def conv(x, k, stride=1):  # in the kernel's dtype (bf16 params: bf16 convolutions)
     return jax.lax.conv_general_dilated(x.astype(k.dtype), k, (stride, stride), "SAME",
@@ -323,10 +319,9 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
       var = jnp.mean(jnp.square(x - mean), (0, 1, 2))
       if running is not None:
         old = functools.reduce(operator.getitem, path.split("/"), running)
-        new[path + "/mean"] = BN_MOMENTUM * old["mean"] + (1 - BN_MOMENTUM) * \
-            jax.lax.stop_gradient(mean)
-        new[path + "/var"] = BN_MOMENTUM * old["var"] + (1 - BN_MOMENTUM) * \
-            jax.lax.stop_gradient(var)
+        for stat, batch_stat in (("mean", mean), ("var", var)):
+          new[f"{path}/{stat}"] = (BN_MOMENTUM * old[stat]
+                                   + (1 - BN_MOMENTUM) * jax.lax.stop_gradient(batch_stat))
       p = functools.reduce(operator.getitem, path.split("/"), params)
       return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
 
@@ -349,22 +344,15 @@ def resnet(blocks: tuple[int, ...] = RESNET50_BLOCKS, width: int = 64, classes: 
     logits = jnp.mean(h, (1, 2)) @ params["head"]["kernel"] + params["head"]["bias"]
     return logits, (_nest(new) if running is not None else None)
 
-  if bn_state:
-    def loss(params, running, batch):
-      images, labels = batch
-      logits, new = forward(params, running, images)
-      return _cross_entropy(logits, labels), new
-  else:
-    def loss(params, batch):
-      images, labels = batch
-      return _cross_entropy(forward(params, None, images)[0], labels)
+  def loss_and_stats(params, running, batch):
+    logits, new = forward(params, running, batch[0])
+    return _cross_entropy(logits, batch[1]), new
 
-  batch, like = _images(image, classes, seed + 1)
-  kind = "bottleneck" if block == "bottleneck" else "basic"
-  return Model(name, f"ResNet {'-'.join(map(str, blocks))} ({kind} blocks), width {width}, "
+  loss = loss_and_stats if bn_state else lambda p, b: loss_and_stats(p, None, b)[0]
+  return Model(name, f"ResNet {'-'.join(map(str, blocks))} ({block} blocks), width {width}, "
                f"{image}x{image} images" + (", BatchNorm running stats as model state"
-                                             if bn_state else ""),
-               _make(s, seed, abstract), loss, batch, like, state)
+                                             if bn_state else ""), _make(s, seed, abstract),
+               loss, *_images(image, classes, seed), state)
 
 
 def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bool = False,
@@ -380,10 +368,9 @@ def many_small(sizes: list[int], features: int = 16, seed: int = 0, abstract: bo
               for i, p in enumerate(leaves)) / len(leaves)
     return jnp.mean(jnp.square(out - y))
 
-  batch, like = _data(lambda n: (jax.ShapeDtypeStruct((n, features), jnp.float32),
-                                 jax.ShapeDtypeStruct((n,), jnp.float32)), seed + 1)
-  return Model(name, f"{len(sizes)} tiny experts", _make(s, seed, abstract), loss, batch,
-               like)
+  return Model(name, f"{len(sizes)} tiny experts", _make(s, seed, abstract), loss,
+               *_data(lambda n: (jax.ShapeDtypeStruct((n, features), jnp.float32),
+                                 jax.ShapeDtypeStruct((n,), jnp.float32)), seed))
 
 
 def full_size(name: str, *, abstract: bool = True) -> Model:

@@ -26,16 +26,14 @@ MODELS = ("gpt2_small", "gpt_1p3b")
 DEFAULTS = dict(models=["gpt2_small"])
 QUICK = dict(models=["gpt2_small"], variants=["packed", "sharded"])
 # key: (label, jpack mode or None for jax.jit, two-level mesh, jit: state split over gpu,
-#       formula, its bytes from G)
+#       formula, its bytes over G)
 VARIANTS = {
-    "packed": ("jpack packed", "packed", True, False, "G", lambda g: g),
-    "sharded": ("jpack ZeRO-1 (sharded)", "sharded", True, False, "G/8", lambda g: g / 8),
-    "fsdp": ("jpack ZeRO-3 (fsdp)", "fsdp", True, False, "G/8", lambda g: g / 8),
-    "fsdp_flat": ("jpack ZeRO-3, one axis of 64", "fsdp", False, False, "G + 2G/64",
-                  lambda g: g + g / 32),
-    "jit": ("jax.jit, params replicated", None, True, False, "G", lambda g: g),
-    "jit_hsdp": ("jax.jit HSDP (params, state split over gpu)", None, True, True, "G/8",
-                 lambda g: g / 8),
+    "packed": ("jpack packed", "packed", True, False, "G", 1),
+    "sharded": ("jpack ZeRO-1 (sharded)", "sharded", True, False, "G/8", 1 / 8),
+    "fsdp": ("jpack ZeRO-3 (fsdp)", "fsdp", True, False, "G/8", 1 / 8),
+    "fsdp_flat": ("jpack ZeRO-3, one axis of 64", "fsdp", False, False, "G + 2G/64", 1 + 1 / 32),
+    "jit": ("jax.jit, params replicated", None, True, False, "G", 1),
+    "jit_hsdp": ("jax.jit HSDP (params, state split over gpu)", None, True, True, "G/8", 1 / 8),
 }
 
 
@@ -69,9 +67,9 @@ def run(opts, report: h.Report) -> None:
       program = _reference.analyze_program(text)
       big = [c for c in program.collectives if c.bytes >= MIB]
       crossing = _reference.crossing_bytes(text, PER_NODE)
-      label, formula, share = VARIANTS[key][0], VARIANTS[key][4], VARIANTS[key][5]
+      label, _, _, _, formula, share = VARIANTS[key]
       temp, args = mem.temp_size_in_bytes, mem.argument_size_in_bytes
-      table.add(label, f"{crossing / MIB:,.1f}", formula, f"{share(grad) / MIB:,.1f}",
+      table.add(label, f"{crossing / MIB:,.1f}", formula, f"{share * grad / MIB:,.1f}",
                 f"{sum(c.overlapped for c in big)}/{len(big)}", program.kernels,
                 f"{temp / MIB:,.0f}", f"{args / MIB:,.0f}", f"{(temp + args) / MIB:,.0f}",
                 model=name, key=key, crossing_bytes=crossing, grad_bytes=grad,

@@ -111,15 +111,6 @@ class Result:
   max_diff: dict[str, float]
 
 
-def _max_diff_packed(a: dict[str, np.ndarray], packed: jpack.Packed) -> float:
-  """`h.max_diff` against each leaf's slice of the buckets, on the host."""
-  buckets = [np.asarray(b, np.float64) for b in packed.buckets]
-  slots = packed.layout.slots  # in the order of the tree's leaves
-  return max((float(np.max(np.abs(buckets[s.bucket][s.offset:s.offset + s.size]
-                                  - x.ravel())))
-              for s, x in zip(slots, jax.tree.leaves(a)) if s.size), default=0.0)
-
-
 def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
   """Build every variant from the same values, check their first update, time them."""
   print(f"\n{w.describe()}", flush=True)
@@ -139,7 +130,7 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
         flush=True)
 
   reference = {k: np.asarray(v, np.float64) for k, v in calls["per_leaf"]().items()}
-  max_diff = {"jpack": _max_diff_packed(reference, calls["jpack"]())}
+  max_diff = {"jpack": h.max_diff(reference, jpack.unpack(calls["jpack"]()))}
   if torch_adam is not None:
     torch_adam()
     max_diff["torch"] = h.max_diff(reference, torch_adam.params())

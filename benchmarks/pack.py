@@ -44,24 +44,19 @@ def bench_workload(w: h.Workload, rounds: int) -> tuple[dict[str, dict], jpack.L
   print(f"\n{w.describe()}", flush=True)
   tree = h.random_tree(w.shapes, seed=0)
   layout = jpack.plan(w.shapes)
-  single = h.place(h.random_numpy((w.nbytes // 4,), np.float32, np.random.default_rng(1)))
-  box = {}
-
-  def ravel(t):
-    flat, box["unravel"] = ravel_pytree(t)  # static: sizes, shapes, dtypes only
-    return flat
-
-  flat = jax.eval_shape(ravel, w.shapes)
+  single = jax.device_put(h.random_numpy((w.nbytes // 4,), np.float32, np.random.default_rng(1)))
+  flat, unravel = ravel_pytree(tree)  # unravel keeps sizes, shapes and dtypes only
   promoted = " (promoted)" if len({np.dtype(s.dtype) for s in w.shapes.values()}) > 1 else ""
   ops = {"single": (lambda x: x * 2, single, _describe(single)),
          "per_leaf": (lambda t: jax.tree.map(lambda x: x * 2, t), tree, _describe(tree)),
          "pack": (lambda t: jpack.pack(t, layout), tree,
                   f"Packed {_describe(tuple(layout.bucket_shapes()))}"),
-         "ravel": (ravel, tree, f"{np.dtype(flat.dtype).name}[{flat.size:,}]{promoted}")}
+         "ravel": (lambda t: ravel_pytree(t)[0], tree,
+                   f"{np.dtype(flat.dtype).name}[{flat.size:,}]{promoted}")}
   res = {key: _measure(f, arg, rounds, output) for key, (f, arg, output) in ops.items()}
   packed, flat = (jax.block_until_ready(res[k]["compiled"].fn(tree)) for k in ("pack", "ravel"))
   for key, f, arg in (("unpack", jpack.unpack, packed), ("unpack_shared", unpack_shared, packed),
-                      ("unravel", box["unravel"], flat)):
+                      ("unravel", unravel, flat)):
     res[key] = _measure(f, arg, rounds, _describe(tree))
   # The same calls outside jit, as a script makes them: the first call compiles.
   for key, f, arg in (("eager_pack", lambda t: jpack.pack(t, layout), tree),

@@ -232,12 +232,14 @@ def render_collectives(results: Results) -> str:
                        machine_line(doc)])
 
 
-def _compiled_on(devices: int) -> Callable[[Mapping], str]:
-  """The machine line of programs compiled for ``devices`` H100s."""
+def _compiled_on(devices: int, how: str = "simulated", cores: bool = False
+                 ) -> Callable[[Mapping], str]:
+  """The machine line of programs compiled for ``devices`` H100s (``cores``: the host's)."""
   def line(doc: Mapping[str, Any]) -> str:
     m = doc.get("machine", {})
-    return (f"Compiled for {devices} NVIDIA H100 SXM (simulated) on {m.get('cpu')}; "
-            f"{_versions(m)}. {_commands(doc)}.")
+    host = m.get("cpu", "unknown CPU") + (f" ({m.get('cores', '?')} cores)" if cores else "")
+    return (f"Compiled for {devices} NVIDIA H100 SXM ({how}) on {host}; {_versions(m)}. "
+            f"{_commands(doc)}.")
   return line
 
 
@@ -288,33 +290,21 @@ GPU_COLUMNS = ("variant", "kernels", "HBM MiB (est.)", "copy-only MiB", "collect
                "lower + compile s")
 
 
-def render_gpu_compile(results: Results) -> str:
-  """Every workload's steps compiled for 8 H100s, then the goals of the default and
-  ZeRO-1 modes, one row per workload and mode."""
-  doc = results.get("gpu_compile")
-  tables = _tables(doc, "variant", "kernels", "HBM MiB (est.)")
-  if not tables:
-    return _missing("gpu_compile")
-  parts = []
-  for table in tables:
-    # Shares of per-leaf's overhead only compare steps of the same params and rows.
-    rows = [r if not str(r["values"].get("key", "")).endswith(("bf16_params", "acc4")) else
-            {**r, "cells": {**r["cells"], "removed: kernels / HBM": "-"}}
-            for r in table["rows"]]
-    parts += [f"**{table['title']}**", _select(table, GPU_COLUMNS, rows)]
-  goal_rows = [r for t in _tables(doc, "mode", "goal", "result") for r in t["rows"]]
-  zero3 = lambda r: r["values"]["key"].startswith("fsdp")
-  for title, rows in (
-      ("The default and the ZeRO-1 mode against the per-leaf step, per workload",
-       [r for r in goal_rows if not zero3(r)]),
-      ("ZeRO-3 against `jax.jit` FSDP, per workload", [r for r in goal_rows if zero3(r)])):
-    if rows:
-      parts += [f"**{title}**", _goals_table(rows)]
-  m = doc.get("machine", {})
-  parts.append(f"Compiled for 8 NVIDIA H100 SXM (simulated: nothing ran on a GPU) on "
-               f"{m.get('cpu', 'unknown CPU')} ({m.get('cores', '?')} cores); {_versions(m)}. "
-               f"{_commands(doc)}.")
-  return "\n\n".join(parts)
+def _gpu_goals(doc: Mapping[str, Any]) -> str:
+  """The goals of the default and ZeRO-1 modes against per-leaf, then ZeRO-3's."""
+  rows = [r for t in _tables(doc, "mode", "goal", "result") for r in t["rows"]]
+  zero3 = [r for r in rows if r["values"]["key"].startswith("fsdp")]
+  parts = (("The default and the ZeRO-1 mode against the per-leaf step, per workload",
+            [r for r in rows if r not in zero3]),
+           ("ZeRO-3 against `jax.jit` FSDP, per workload", zero3))
+  return "\n\n".join(f"**{title}**\n\n{_goals_table(rows)}" for title, rows in parts if rows)
+
+
+# Every workload's steps compiled for 8 H100s (the removed shares of the steps not compared
+# with per-leaf are "-" already: `gpu_compile.finish`), then the goals.
+render_gpu_compile = _one_table(
+    "gpu_compile", ("variant", "kernels", "HBM MiB (est.)"), GPU_COLUMNS, every=True,
+    note=_gpu_goals, footer=_compiled_on(8, "simulated: nothing ran on a GPU", cores=True))
 
 
 def _goals_table(rows: Sequence[Row]) -> str:

@@ -65,6 +65,18 @@ class Variant:
   baseline: str = "per_leaf"    # speed-up and max |Δp| are against it
   compared: bool = True         # max |Δp| against the baseline means something
 
+  # optax.MultiSteps as users write it: the step called k times per step.
+  calls = property(lambda self: self.accumulate if self.kind == "multisteps" else 1)
+  jit_mesh = property(lambda self: self.kind.startswith("jit"))  # on Auto axes (`auto`)
+
+
+def _optimizer_rows(o: str, name: str, per_leaf_name: str = "") -> dict[str, Variant]:
+  """Optimizer ``o`` in a per-leaf step, and in jpack's packed and sharded modes against it."""
+  return {f"per_leaf_{o}": Variant(f"per-leaf, {per_leaf_name or name}", kind="per_leaf",
+                                   optimizer=o, compared=False),
+          **{f"{m}_{o}": Variant(f"jpack {m}, {name}", mode=m, optimizer=o,
+                                 baseline=f"per_leaf_{o}") for m in ("packed", "sharded")}}
+
 
 _v = Variant
 VARIANTS = {
@@ -100,22 +112,11 @@ VARIANTS = {
     "sharded_save10": _v(f"jpack sharded, async save every {ckpt.EVERY}", mode="sharded",
                          saves=True),
     # GPT-2's optimizers, each against per-leaf optax with the same optimizer.
-    "per_leaf_adamw_mask": _v("per-leaf, adamw(mask=no decay on biases, norms)",
-                              kind="per_leaf", optimizer="adamw_mask", compared=False),
-    "packed_adamw_mask": _v("jpack packed, adamw(mask=...)", mode="packed",
-                            optimizer="adamw_mask", baseline="per_leaf_adamw_mask"),
-    "sharded_adamw_mask": _v("jpack sharded, adamw(mask=...)", mode="sharded",
-                             optimizer="adamw_mask", baseline="per_leaf_adamw_mask"),
+    **_optimizer_rows("adamw_mask", "adamw(mask=...)", "adamw(mask=no decay on biases, norms)"),
     "sharded_adamw_labels": _v("jpack sharded, adamw/adam by optax.partition", mode="sharded",
                                optimizer="adamw_labels", baseline="per_leaf_adamw_mask"),
-    **{k: v for o, name in (("lamb", "lamb"), ("muon", "contrib.muon"),
-                            ("adafactor", "adafactor")) for k, v in (
-        (f"per_leaf_{o}", _v(f"per-leaf, {name}", kind="per_leaf", optimizer=o,
-                             compared=False)),
-        (f"packed_{o}", _v(f"jpack packed, {name}", mode="packed", optimizer=o,
-                           baseline=f"per_leaf_{o}")),
-        (f"sharded_{o}", _v(f"jpack sharded, {name}", mode="sharded", optimizer=o,
-                            baseline=f"per_leaf_{o}")))},
+    **_optimizer_rows("lamb", "lamb"), **_optimizer_rows("muon", "contrib.muon"),
+    **_optimizer_rows("adafactor", "adafactor"),
 }
 OPTIMIZER_VARIANTS = tuple(k for k, v in VARIANTS.items()
                            if v.optimizer not in ("adam", "sgd"))
@@ -148,8 +149,7 @@ def mlp(depth: int, width: int, seed: int = 0) -> Model:
       x = jnp.tanh((x @ layer["w"] + layer["b"]) * layer["scale"] + layer["shift"])
     return jnp.mean((x - y) ** 2)
 
-  batch, _ = models._data(lambda n: (jax.ShapeDtypeStruct((n, width), np.float32),) * 2,
-                          seed + 1)
+  batch, _ = models._data(lambda n: (jax.ShapeDtypeStruct((n, width), np.float32),) * 2, seed)
   return Model(f"mlp_{depth}x{width}", f"MLP {depth}x{width}", {"layers": layers}, loss, batch)
 
 
@@ -164,8 +164,7 @@ def shape_table(name: str, seed: int = 0) -> Model:
                for p in jax.tree.leaves(params))
 
   return Model(name, f"{name} shapes, quadratic loss", params, loss,
-               lambda n: np.random.default_rng(seed + 1).standard_normal((n, 4)).astype(
-                   np.float32))
+               *models._data(lambda n: jax.ShapeDtypeStruct((n, 4), np.float32), seed))
 
 
 # Real architectures with their real leaf counts, narrowed; the tiny ones are smoke tests.
@@ -197,14 +196,6 @@ MODEL_VARIANTS = {"gpt2_12x64": REAL_MODEL_VARIANTS + OPTIMIZER_VARIANTS,
 BIG_MODEL_VARIANTS = ("per_leaf", "jit", "jit_zero1", "allreduce", "packed", "sharded",
                       "sharded_bf16", "grad_only")
 BIG_MODEL_PARAMS = 10_000_000
-
-
-@dataclasses.dataclass
-class Built:
-  """A variant's `jpack.DataParallel`, and how many calls of its step make one step."""
-  dp: Any
-  calls: int = 1
-  jit_mesh: bool = False  # runs on the mesh of Auto axes (`auto`)
 
 
 def auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
@@ -324,30 +315,28 @@ def _hand_zero1(model: Model, mesh, bucket_bytes: int = 4 * 2**20) -> Any:
                             None)
 
 
-def build(v: Variant, model: Model, mesh) -> Built:
+def build(v: Variant, model: Model, mesh) -> jpack.DataParallel:
   """Variant ``v``'s step on ``mesh``: by jpack, by `jax.jit`, by hand, or a per-leaf step."""
   # hand_pmean_options: the README's step, its layout planned with jpack.step_options.
   layout = (_reference._reported_layout(model.params, mesh) if v.kind == "hand_pmean_options"
             else jpack.plan(model.params, num_shards=mesh.shape[AXIS]))
   tx, loss, params = optimizer(v, model.params), model.loss, model.params
   if v.kind == "jpack":
-    return Built(jpack.data_parallel(
+    return jpack.data_parallel(
         loss, tx, params, mesh, accumulate=v.accumulate,
         mode=jpack.Mode(v.mode, shard_accumulator=v.shard_accumulator,
                         keep_gathered=v.keep_gathered),
-        precision=jpack.Precision(param_dtype=v.param_dtype, comm_dtype=v.comm_dtype)))
-  if v.kind in ("jit", "jit_zero1", "jit_fsdp"):
-    return Built(_reference.jit_step(loss, tx, params, auto(mesh), param_dtype=v.param_dtype,
-                                     shard_state=v.kind != "jit",
-                                     shard_params=v.kind == "jit_fsdp"), jit_mesh=True)
+        precision=jpack.Precision(param_dtype=v.param_dtype, comm_dtype=v.comm_dtype))
+  if v.jit_mesh:
+    return _reference.jit_step(loss, tx, params, auto(mesh), param_dtype=v.param_dtype,
+                               shard_state=v.kind != "jit", shard_params=v.kind == "jit_fsdp")
   if v.kind == "hand_zero1":
-    return Built(_hand_zero1(model, mesh))
+    return _hand_zero1(model, mesh)
   if v.kind == "floor":
-    return Built(_floor(model, mesh))
+    return _floor(model, mesh)
   if v.kind in ("grad_only", "packed_grad_only"):
-    return Built(_grads_only(model, mesh, layout if v.kind == "packed_grad_only" else None))
-  # The per-leaf steps: the optimizer (optax.MultiSteps as users write it: the step called
-  # k times per step) and how the gradients are reduced.
+    return _grads_only(model, mesh, layout if v.kind == "packed_grad_only" else None)
+  # The per-leaf steps: the optimizer and how the gradients are reduced.
   per_leaf = {
       "per_leaf": lambda: (tx, dict(param_dtype=v.param_dtype)),
       "ravel": lambda: (tx, dict(reduce=h.ravel_pmean)),
@@ -357,30 +346,23 @@ def build(v: Variant, model: Model, mesh) -> Built:
                               dict(reduce=lambda g: g, norm=lambda s: s[0].grad_norm)),
       "multisteps": lambda: (_reference._multi_steps(tx, v.accumulate), {})}
   tx, options = per_leaf[v.kind.removesuffix("_options")]()
-  return Built(_reference.per_leaf_step(loss, tx, params, mesh, **options),
-               calls=v.accumulate if v.kind == "multisteps" else 1)
+  return _reference.per_leaf_step(loss, tx, params, mesh, **options)
 
 
 @dataclasses.dataclass
 class Prepared:
   """A variant compiled, warmed up by one whole step, with what its rounds record."""
   key: str
-  built: Built
+  dp: jpack.DataParallel
   compiled: h.Compiled
   state: Any
   batches: list[Any]  # what one step calls the compiled step on, in order
-  saves: Any = None   # the checkpoint rows' `Saves`
+  saves: ckpt.Saves | None = None  # the checkpoint rows' saves
   metrics: Any = None
+  block_s: list[float] = dataclasses.field(default_factory=list)  # each timed block's step
 
-
-@dataclasses.dataclass
-class Saves:
-  """A checkpoint row's Orbax manager and what its saves took."""
-  manager: Any
-  count: int  # the state's step count
-  calls: list[float] = dataclasses.field(default_factory=list)
-  waits: list[float] = dataclasses.field(default_factory=list)
-  bytes: int = 0
+  step_s = property(lambda self: statistics.median(self.block_s))
+  params = property(lambda self: self.dp.unpack(self.state))
 
 
 def micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
@@ -396,20 +378,20 @@ def micro_batches(batch: Any, k: int, devices: int) -> list[Any]:
 
 
 def prepare(key: str, model: Model, mesh, batch: Any, directory: pathlib.Path) -> Prepared:
-  built = build(VARIANTS[key], model, mesh)
-  if built.jit_mesh:
+  v, dp = VARIANTS[key], build(VARIANTS[key], model, mesh)
+  if v.jit_mesh:
     batch = jax.device_put(batch, NamedSharding(auto(mesh), P(AXIS)))
-  batches = micro_batches(batch, built.calls, mesh.shape[AXIS])
-  state = jax.block_until_ready(built.dp.init(model.params, model.state) if model.has_state
-                                else built.dp.init(model.params))
-  compiled = h.compile_fn(built.dp.step, state, batches[0], jit_kwargs={"donate_argnums": 0})
+  batches = micro_batches(batch, v.calls, mesh.shape[AXIS])
+  state = jax.block_until_ready(dp.init(model.params, model.state) if model.has_state
+                                else dp.init(model.params))
+  compiled = h.compile_fn(dp.step, state, batches[0], jit_kwargs={"donate_argnums": 0})
   for b in batches:  # warm-up: one whole step, so every variant takes as many updates
     state, _ = compiled.fn(state, b)
-  p = Prepared(key, built, compiled, jax.block_until_ready(state), batches)
-  if VARIANTS[key].saves:
+  p = Prepared(key, dp, compiled, jax.block_until_ready(state), batches)
+  if v.saves:
     # Saves on the first step of every round, and once now to warm Orbax up.
     count = int(state.step)
-    p.saves = Saves(ckpt.make_manager(directory / key, policy=ckpt.EveryFrom(count + 1)), count)
+    p.saves = ckpt.Saves(ckpt.make_manager(directory / key, policy=ckpt.EveryFrom(count + 1)))
     assert jpack.checkpoint.save(p.saves.manager, count, state, force=True)
     p.saves.manager.wait_until_finished()
   return p
@@ -421,37 +403,16 @@ def run_block(p: Prepared, steps: int) -> Any:
     for _ in range(steps):
       for b in p.batches:
         p.state, p.metrics = p.compiled.fn(p.state, b)
-    return p.state
-  p.state, p.metrics, calls = ckpt.run_steps(p.compiled.fn, p.state, p.batches[0],
-                                             p.saves.count, steps, p.saves.manager)
-  _, wait = h.timed(lambda: (jax.block_until_ready(p.state),
-                             p.saves.manager.wait_until_finished()))
-  p.saves.waits.append(wait)
-  p.saves.calls += calls
-  p.saves.count += steps
+  else:
+    p.state, p.metrics = p.saves.run(p.compiled.fn, p.state, p.batches[0], steps)
+    p.saves.wait(p.state)
   return p.state
 
 
-@dataclasses.dataclass
-class Result:
-  key: str
-  compiled: h.Compiled
-  step_s: float
-  block_s: list[float]  # mean step time of every timed block
-  colls: h.Collectives
-  loop_colls: h.Collectives  # those in a loop body: they run every iteration
-  calls: int
-  opt_bytes: int
-  state_bytes: int  # params + optimizer state (masters included), per device
-  params: Any       # final params, host numpy tree
-  loss: float
-  saves: Saves | None = None
-
-
 def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, rounds: int
-            ) -> dict[str, Result | str]:
+            ) -> dict[str, Prepared | str]:
   """Compile every variant, then time them in interleaved rounds; a jpack variant that
-  data_parallel refuses (TypeError) is the refusal's message instead of a `Result`."""
+  data_parallel refuses (TypeError) is the refusal's message instead."""
   with tempfile.TemporaryDirectory(prefix="jpack-step-bench-") as tmp:
     prepared: dict[str, Prepared | str] = {}
     for key in keys:
@@ -469,32 +430,19 @@ def measure(model: Model, keys: list[str], mesh, batch: Any, *, steps: int, roun
     timed = {k: p for k, p in prepared.items() if not isinstance(p, str)}
     timings = h.time_rounds({k: functools.partial(run_block, p, steps) for k, p in timed.items()},
                             rounds, warmup=0)
-    out: dict[str, Result | str] = {}
-    for key, p in prepared.items():
-      if isinstance(p, str):
-        out[key] = p
-        continue
-      text = p.compiled.text()
+    for key, p in timed.items():
+      p.block_s = [t / steps for t in timings[key].samples]
       if p.saves is not None:
-        p.saves.bytes = ckpt.checkpoint_bytes(p.saves.manager)
-        p.saves.manager.close()
-      block_s = [t / steps for t in timings[key].samples]
-      out[key] = Result(key, p.compiled, statistics.median(block_s), block_s,
-                        h.count_collectives(text), _reference.loop_collectives(text),
-                        len(p.batches), h.bytes_per_device(p.state.opt_state),
-                        h.bytes_per_device((p.state.params, p.state.opt_state)),
-                        jax.tree.map(np.asarray, p.built.dp.unpack(p.state)),
-                        float(p.metrics["loss"]), p.saves)
-    return out
+        p.saves.close()
+    return prepared
 
 
-def _saving_values(r: Result, plain: Result | None) -> dict[str, Any]:
+def _saving_values(r: Prepared, plain: Prepared | None) -> dict[str, Any]:
   """A checkpoint row's figures against ``plain``, its mode's row (None for the others)."""
   s, paired = r.saves, plain and len(plain.block_s) == len(r.block_s)
+  call_s, wait_s = s.medians() if s else (None, None)
   return {"vs_no_saves": statistics.median(a / b for a, b in zip(r.block_s, plain.block_s))
-          if paired else None,
-          "save_call_s": statistics.median(s.calls) if s and s.calls else None,
-          "save_wait_s": statistics.median(s.waits) if s and s.waits else None,
+          if paired else None, "save_call_s": call_s, "save_wait_s": wait_s,
           "saves": len(s.calls) if s else 0, "checkpoint_bytes": s and s.bytes,
           "no_saves_key": plain and plain.key}
 
@@ -504,7 +452,7 @@ COLUMNS = ["variant", "compile s", "step ms", "speed-up", "spread", "vs MultiSte
            "opt state/dev", "params+opt/dev", "max |Δp| vs per-leaf"]
 
 
-def table(model: Model, results: dict[str, Result | str], devices: int) -> h.Table:
+def table(model: Model, results: dict[str, Prepared | str], devices: int) -> h.Table:
   timed = {k: r for k, r in results.items() if not isinstance(r, str)}
   floor, multi = timed.get(FLOOR), timed.get(MULTISTEPS)
   t = h.Table(COLUMNS, title=f"{model.describe} ({model.num_leaves} leaves, "
@@ -528,47 +476,45 @@ def table(model: Model, results: dict[str, Result | str], devices: int) -> h.Tab
     diff = h.max_diff(r.params, base.params) if v.compared and base else None
     diff_multi = (h.max_diff(r.params, multi.params)
                   if multi and key in ACCUMULATING and key != MULTISTEPS else None)
-    coll_bytes = sum(r.colls.result_bytes.values())
-    colls = r.colls.short() + (f" ({r.loop_colls.short()} in loop)"
-                               if any(r.loop_colls.count.values()) else "") + (
-        f" x{r.calls} calls" if r.calls > 1 else "")
+    text, calls = r.compiled.text(), len(r.batches)
+    # Collectives in a loop body run every iteration (the micro-steps' loop).
+    every, in_loop = h.count_collectives(text), _reference.loop_collectives(text)
+    coll_bytes = sum(every.result_bytes.values())
+    colls = every.short() + (f" ({in_loop.short()} in loop)" if any(in_loop.count.values())
+                             else "") + (f" x{calls} calls" if calls > 1 else "")
+    opt_bytes = h.bytes_per_device(r.state.opt_state)
+    state_bytes = h.bytes_per_device((r.state.params, r.state.opt_state))  # masters too
     t.add(v.label, h.fmt_s(r.compiled.total_s), h.fmt_ms(r.step_s), h.fmt_ratio(speedup),
           "-" if ratios is None else f"{min(ratios):.2f}–{max(ratios):.2f}",
           h.fmt_ratio(vs_multi), "-" if closed is None else f"{100 * closed:.0f}%",
           h.fmt_ratio(saving["vs_no_saves"]), h.fmt_ms(saving["save_call_s"]),
           "" if goal is None or speedup is None else f">={goal:g}x {h.verdict(speedup >= goal)}",
-          colls, h.human_bytes(coll_bytes) if coll_bytes else "-", h.human_bytes(r.opt_bytes),
-          f"{h.human_bytes(r.state_bytes)} ({r.state_bytes / model.num_params:.1f}Ψ)",
+          colls, h.human_bytes(coll_bytes) if coll_bytes else "-", h.human_bytes(opt_bytes),
+          f"{h.human_bytes(state_bytes)} ({state_bytes / model.num_params:.1f}Ψ)",
           "-" if diff is None else f"{diff:.1e}" + (" (bf16)" if v.param_dtype else ""),
           **common, param_dtype=np.dtype(v.param_dtype or np.float32).name,
-          accumulate=v.accumulate, calls_per_step=r.calls, lower_s=r.compiled.lower_s,
+          accumulate=v.accumulate, calls_per_step=calls, lower_s=r.compiled.lower_s,
           compile_s=r.compiled.compile_s, step_s=r.step_s, block_step_s=r.block_s,
           speedup_vs_per_leaf=speedup, speedup_min=ratios and min(ratios),
           speedup_max=ratios and max(ratios), speedup_vs_multisteps=vs_multi,
-          gap_closed=closed, **h.collective_values(r.colls),
-          collectives_in_loop=r.loop_colls.count,
-          collective_bytes_in_loop=r.loop_colls.result_bytes, opt_state_bytes=r.opt_bytes,
-          state_bytes_per_device=r.state_bytes,
-          state_bytes_per_param=r.state_bytes / model.num_params,
+          gap_closed=closed, **h.collective_values(every), collectives_in_loop=in_loop.count,
+          collective_bytes_in_loop=in_loop.result_bytes, opt_state_bytes=opt_bytes,
+          state_bytes_per_device=state_bytes,
+          state_bytes_per_param=state_bytes / model.num_params,
           max_param_diff_vs_per_leaf=diff, max_param_diff_vs_multisteps=diff_multi,
-          final_loss=r.loss, **saving)
+          final_loss=float(r.metrics["loss"]), **saving)
   return t
 
 
 def chosen(name: str, model: Model, variants: list[str] | None) -> list[str]:
   """The variants asked for, or ``name``'s defaults; none that drop its model state."""
-  if variants is not None:
-    keys = variants
-  elif name in MODEL_VARIANTS:
-    keys = list(MODEL_VARIANTS[name])
-  elif model.num_params > BIG_MODEL_PARAMS:
-    keys = list(BIG_MODEL_VARIANTS)
-  else:
-    keys = [k for k in VARIANTS if k not in OPTIMIZER_VARIANTS]
-  if model.has_state and set(keys) - set(WITH_STATE):
-    print(f"({name} has model state, which {', '.join(sorted(set(keys) - set(WITH_STATE)))} "
-          "do not carry: skipped)")
-  return [k for k in keys if k in WITH_STATE or not model.has_state]
+  keys = variants or MODEL_VARIANTS.get(name) or (
+      BIG_MODEL_VARIANTS if model.num_params > BIG_MODEL_PARAMS
+      else [k for k in VARIANTS if k not in OPTIMIZER_VARIANTS])
+  dropped = [k for k in keys if model.has_state and k not in WITH_STATE]
+  if dropped:
+    print(f"({name} has model state, which {', '.join(sorted(dropped))} do not carry: skipped)")
+  return [k for k in keys if k not in dropped]
 
 
 def check(opts: Any) -> str | None:

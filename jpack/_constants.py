@@ -106,17 +106,41 @@ def on_host_where_constant(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., 
                                       return_shape=True)(*leaves)
       known = _known_outputs(closed, mesh)
       others = [i for i in range(len(closed.out_avals)) if i not in known]
-      rest = jax.jit(lambda *xs: [jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)[i]
-                                  for i in others])
+      rest = _program(closed, others, mesh) if known else compiled
       cache[key] = known, others, rest, jax.tree.structure(shapes)
     known, others, rest, out_tree = cache[key]
-    outs = dict(zip(others, rest(*leaves) if others else []))
+    outs = dict(zip(others, jax.tree.leaves(rest(*args)) if others else []))
     for i, (shape, sharding, by_index) in known.items():
       outs[i] = jax.make_array_from_callback(
           shape, sharding, lambda at, by_index=by_index: np.array(by_index[_key(at)]))
     return jax.tree.unflatten(out_tree, [outs[i] for i in range(len(outs))])
 
   return run
+
+
+def _program(closed: ClosedJaxpr, others: list[int], mesh: Mesh) -> Callable[..., Any]:
+  """``closed``'s outputs ``others`` alone, jitted: its `jax.shard_map`'s body pruned to
+  what they need (tracing the whole body again costs as much as the first time)."""
+  (eqn,), body = closed.jaxpr.eqns, closed.jaxpr.eqns[0].params["jaxpr"]
+  needed = {body.outvars[i] for i in others}
+  eqns = []
+  for e in reversed(body.eqns):
+    if e.effects or needed.intersection(e.outvars):
+      eqns.append(e)
+      needed.update(v for v in e.invars if not isinstance(v, Literal))
+  pruned = body.replace(eqns=eqns[::-1], outvars=[body.outvars[i] for i in others],
+                        debug_info=body.debug_info.with_unknown_names())
+  per_device = jax.shard_map(
+      lambda *a: tuple(jax.core.eval_jaxpr(pruned, (), *a)), mesh=mesh,
+      in_specs=tuple(eqn.params["in_specs"]), check_vma=False,
+      out_specs=tuple(eqn.params["out_specs"][i] for i in others))
+
+  def program(*args):
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, jax.tree.leaves(args)))
+    return per_device(*[v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
+
+  return jax.jit(program)
 
 
 def _known_outputs(closed: ClosedJaxpr, mesh: Mesh) -> dict[int, Any]:

@@ -435,15 +435,12 @@ def bound_in_flight(devices: list[Any]) -> Callable[[Any], Any]:
 
 # -- the data-parallel step's defaults on GPUs -------------------------------------------
 
-# XLA:GPU's all-reduce combiner merges jpack's all-reduces into one op on a tuple of
-# buckets (a grouped NCCL call: one launch), which is what jpack wants, but its
-# all-reduce-contiguous pass then concatenates that tuple into one buffer and slices the
-# result back out: two copies of the gradient per step. With that pass off, the tuple is
-# reduced in place. 8 MiB groups a few buckets at a time: larger groups saved a few more
-# launches but held buckets longer (more temporary memory than the per-leaf step on
-# BERT and GPT-2). The reduce-scatter combiner stays off: it merged ZeRO-1's buckets into
-# a few reduce-scatters that waited for most of the backward pass, and then no update and
-# no all-gather overlapped it.
+# XLA:GPU's all-reduce combiner merges jpack's all-reduces into one grouped NCCL call on
+# a tuple of buckets; its all-reduce-contiguous pass would concatenate that tuple into
+# one buffer and slice it back (two copies of the gradient), so that pass is off. Groups
+# of 8 MiB keep only a few buckets alive at once. The reduce-scatter combiner stays off:
+# merged reduce-scatters wait for most of the backward pass, with nothing to overlap
+# them (docs/gpu.md).
 GPU_STEP_COMPILER_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": 8 << 20,
                              "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
                              "xla_disable_hlo_passes": "all-reduce-contiguous"}
@@ -460,10 +457,10 @@ GPU_SOLO_NDIM = 2
 
 # ZeRO-3 gathers each bucket where the loss reads it; merged, the gathers would bring in
 # many buckets at once, ahead of their layers. With one collective in flight at a time
-# (XLA's default), the backward pass's gathers take its compute and most reduce-scatters
-# get none; two in flight let a gather and a reduce-scatter overlap it together. On two
-# mesh axes the slices are all-reduced across nodes at the end of the backward pass: in
-# groups of 64 MiB XLA fits their buffers into one node's temp, in 8 MiB ones it did not.
+# (XLA's default), the backward pass's gathers take its compute; two in flight let a
+# gather and a reduce-scatter overlap it together. On two mesh axes the slices are
+# all-reduced across nodes at the end of the backward pass, in groups large enough that
+# their buffers fit into one node's temp (docs/gpu.md).
 GPU_FSDP_COMPILER_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0,
                              "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
                              "xla_gpu_all_reduce_combine_threshold_bytes": 64 << 20}

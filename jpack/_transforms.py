@@ -159,8 +159,8 @@ def after(tree: Any, *scalars: jax.Array) -> Any:
 # reduced buckets are alive at once.
 AHEAD, BEHIND = 2, 1
 # flat on GPUs, where every matrix has a bucket of its own: one bucket ahead is past its
-# reads, and keeps one reduced bucket fewer alive (GPT-2 compiled for 8 H100s: 7.5 MiB
-# less temporary memory, no copy). ZeRO-1's slices are small: it keeps AHEAD.
+# reads, and keeps one reduced bucket fewer alive (less temporary memory, no copy).
+# ZeRO-1's slices are small: it keeps AHEAD.
 GPU_FLAT_AHEAD = 1
 
 

@@ -93,3 +93,13 @@ def test_a_state_made_on_the_host_trains_as_optax(mode, make):
     ref = optax.apply_updates(ref, updates)
   for key, want in ref.items():
     np.testing.assert_allclose(np.asarray(dp.unpack(state)[key]), want, rtol=2e-5, atol=2e-6)
+
+
+def test_large_constants_are_left_to_the_program():
+  fn = jax.shard_map(lambda: (jnp.zeros(5 << 20), jnp.ones(3)), mesh=MESH, in_specs=(),
+                     out_specs=P(), check_vma=False)
+  closed = jax.make_jaxpr(fn)()
+  assert sorted(_constants._known_outputs(closed, MESH)) == [1]  # 20 MiB: compiled
+  big, small = _constants.on_host_where_constant(fn, MESH)()
+  assert big.shape == (5 << 20,) and not np.asarray(big).any()
+  np.testing.assert_array_equal(np.asarray(small), np.ones(3, np.float32))

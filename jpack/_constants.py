@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding
 
@@ -86,6 +88,26 @@ def _apply(eqn: Any, args: list[Any], index: Callable[[Any], Any]) -> list[Any]:
     return [VARYING]
   out = rule(*args, **params)
   return [out if out is UNKNOWN or compact(out).nbytes <= _LIMIT else UNKNOWN]
+
+
+def constant_outputs(traced: ClosedJaxpr) -> list[np.ndarray] | None:
+  """The outputs of ``traced``, if constants alone decide them on every device."""
+  outs = evaluate(traced.jaxpr, traced.consts, [UNKNOWN] * len(traced.in_avals),
+                  lambda _: VARYING)
+  return outs if all(isinstance(x, np.ndarray) for x in outs) else None
+
+
+def set_per_device(pairs: list[list[tuple[int, Any]]], dtype: Any, size: int,
+                   axis_name: Any) -> jax.Array:
+  """A buffer of ``size`` zeros with device k's ``pairs[k]`` (position, value) set: a
+  table of the pairs, not of the buffers, goes into the program."""
+  if not any(pairs):
+    return jnp.zeros(size, dtype)
+  width = max(map(len, pairs))  # per device, padded with positions past the end
+  at = np.array([[k for k, _ in p] + [size] * (width - len(p)) for p in pairs], np.int64)
+  values = np.array([[v for _, v in p] + [0] * (width - len(p)) for p in pairs], dtype)
+  k = lax.axis_index(axis_name) if len(pairs) > 1 else 0
+  return jnp.zeros(size, dtype).at[jnp.asarray(at)[k]].set(jnp.asarray(values)[k], mode="drop")
 
 
 def on_host_where_constant(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:

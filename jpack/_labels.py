@@ -81,9 +81,8 @@ def split_partition(optimizer: Any) -> tuple[Inner, Labels]:
   if isinstance(optimizer, _Partition):
     return optimizer.transforms, optimizer.param_labels
   if isinstance(optimizer, Mapping):
-    raise TypeError("A dict of transformations needs the labels of the leaves it applies to: "
-                    "pass jpack.optax.partition(transforms, param_labels), which works as "
-                    "optax.partition does.")
+    raise TypeError("A dict of transformations needs the labels of its leaves: pass "
+                    "jpack.optax.partition(transforms, param_labels), as optax.partition.")
   return optimizer, None
 
 
@@ -119,11 +118,9 @@ def _keys(inner: Mapping[Any, Any], layout: Layout) -> dict[str, Any]:
   bucket_labels = [b.group[1] for b in layout.buckets]
   missing = sorted({str(x) for x in bucket_labels} - {str(k) for k in inner})
   if missing:
-    hint = (" Buckets labelled None come from a layout planned without a group_fn: a "
-            "Packed carries its own layout, so plan it with the labels (e.g. "
-            "jpack.plan(params, group_fn=lambda path, leaf: label_of[path])), or pass "
-            "the params as a tree to an optimizer made with jpack.optax.partition."
-            ) if any(x is None for x in bucket_labels) else ""
+    hint = (" Buckets labelled None come from a layout planned without labels: plan it "
+            "with jpack.plan(params, group_fn=lambda path, leaf: label_of[path]), or pass "
+            "the params as a tree.") if any(x is None for x in bucket_labels) else ""
     raise ValueError(f"labels {missing} have no transformation; inner has {sorted(inner)}.{hint}")
   key_of: dict[str, Any] = {}
   for k in inner:
@@ -137,9 +134,8 @@ def _keys(inner: Mapping[Any, Any], layout: Layout) -> dict[str, Any]:
 def check_inner(inner: Inner, labels: Labels) -> None:
   if isinstance(inner, Mapping):
     if labels is None:
-      raise TypeError("inner is a dict of transformations, which needs the labels of the "
-                      "leaves each one updates: pass jpack.optax.partition(transforms, "
-                      "param_labels).")
+      raise TypeError("inner is a dict of transformations, which needs the labels of its "
+                      "leaves: pass jpack.optax.partition(transforms, param_labels).")
     for k, v in inner.items():
       if not isinstance(v, optax.GradientTransformation):
         raise TypeError(f"inner[{k!r}] is a {type(v).__name__}, expected an "

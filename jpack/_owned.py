@@ -17,7 +17,7 @@ import optax
 from jax import lax
 
 from jpack._collectives import vary
-from jpack._constants import UNKNOWN, VARYING, compact, evaluate
+from jpack._constants import compact, constant_outputs, set_per_device
 from jpack._internal import empty_shape, is_key_dtype, key_words, leaf_from_flat, storage_dtype
 from jpack._labels import updates_dtype, with_extra_args
 from jpack._layout import Layout, shard_of
@@ -143,7 +143,7 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
     shapes, dtypes, sizes, traced = init_shapes(shards)
     starts = [_start(t, like, dtypes) for t, like in zip(traced, shapes)]
     if all(s is not None for s in starts):  # the usual start, with no switch to trace
-      buffers = tuple(_scattered([s[j] for s in starts], d, size, axis_name)
+      buffers = tuple(set_per_device([s[j] for s in starts], d, size, axis_name)
                       for j, (d, size) in enumerate(zip(dtypes, sizes)))
       return OwnedState(vary(buffers, axis_name) if len(devices) > 1 else buffers, dtypes)
     branches = [lambda s, t=t, like=like: _flatten_state(jax.tree.unflatten(
@@ -185,33 +185,19 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
 
 def _start(traced: Any, like: Any, dtypes: tuple[str, ...]) -> list[Any] | None:
   """Per buffer, the positions and values of a device's first state that are not zero,
-  where its init makes constants alone (a few nonzeros: muon's coefficients); else None."""
-  found: dict[str, list[Any]] = {d: [] for d in dtypes}
-  ends = dict.fromkeys(dtypes, 0)
-  outs = evaluate(traced.jaxpr, traced.consts, [UNKNOWN] * len(traced.in_avals),
-                  lambda _: VARYING)
-  for x, l in zip(outs, jax.tree.leaves(like)):
-    if not isinstance(x, np.ndarray) or is_key_dtype(l.dtype):
+  where its init makes constants alone; else None."""
+  found, ends = {d: [] for d in dtypes}, dict.fromkeys(dtypes, 0)
+  for x, l in zip(constant_outputs(traced) or [None], jax.tree.leaves(like)):
+    if x is None or is_key_dtype(l.dtype):
       return None
     d, size = _stored(l)
-    if np.any(compact(x)):
+    if np.any(compact(x)):  # a few (muon's coefficients), or too many to set one by one
       if x.size > 4096:
         return None
       flat = np.asarray(x).astype(l.dtype).reshape(-1)
-      found[d] += [(ends[d] + k, v) for k, v in zip(np.flatnonzero(flat), flat[flat != 0])]
+      found[d] += [(ends[d] + k, flat[k]) for k in np.flatnonzero(flat)]
     ends[d] += size
   return [found[d] for d in dtypes]
-
-
-def _scattered(starts: list[list[Any]], dtype: str, size: int, axis_name: Any) -> jax.Array:
-  """A buffer of zeros with each device's ``starts`` (position, value) set."""
-  if not any(starts):
-    return jnp.zeros(size, dtype)
-  width = max(map(len, starts))  # per device, padded with positions past the end
-  at = np.array([[k for k, _ in s] + [size] * (width - len(s)) for s in starts], np.int64)
-  values = np.array([[v for _, v in s] + [0] * (width - len(s)) for s in starts], dtype)
-  k = lax.axis_index(axis_name) if len(starts) > 1 else 0
-  return jnp.zeros(size, dtype).at[jnp.asarray(at)[k]].set(jnp.asarray(values)[k], mode="drop")
 
 
 def _narrow(dtype: Any) -> bool:

@@ -107,14 +107,6 @@ def _verdict(part: Part, spec: tuple, on: str) -> tuple[int, Any]:
   return _in_worker(lambda: _probe(part, spec, on))
 
 
-def identity(inner: Any) -> Any:
-  """A hashable stand-in for ``inner`` (or a dict of them) equal only to itself."""
-  if isinstance(inner, Mapping):
-    return tuple((label, identity(tx)) for label, tx in inner.items())
-  init, update = getattr(inner, "init", None), getattr(inner, "update", None)
-  return inner if init is None or update is None else (type(inner), init, update)
-
-
 def described(inner: Any) -> str:
   """``inner``'s factory (e.g. ``optax.apply_if_finite``), or "The optimizer"."""
   key = None if isinstance(inner, Mapping) else key_of(inner)

@@ -24,7 +24,7 @@ from jpack._precision import (ParamDtype, as_layout, cast_params, check_masters,
                               pack_masters)
 from jpack._labels import Inner, Labels, check_inner, group_fn_for, placed, split_partition
 from jpack._known import known
-from jpack._probe import checker, described, identity, refused
+from jpack._probe import checker, described, refused
 
 logger = logging.getLogger("jpack")
 
@@ -359,7 +359,7 @@ def _check_on_leaves(tx: optax.GradientTransformationExtraArgs, inner: Inner,
   arguments and then with ``value=``. Once per optimizer and layout in the process (a
   notebook builds the same step again)."""
   try:
-    passed = _passed((identity(inner), layout))
+    passed = _passed((tuple(inner.items()) if isinstance(inner, Mapping) else inner, layout))
   except TypeError:  # an unhashable part (a transformation object of the user's own)
     passed = []
   if passed:

@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 from jpack import _cpu as cpu
 from jpack._collectives import (Shards, all_gather, assert_same_layout, broadcast, shard,
                                 slice_axes)
+from jpack._constants import on_host_where_constant
 from jpack._grads import (accumulated_grads, average_state, check_accumulate, check_loss_fn,
                           with_state)
 from jpack._internal import dtype_name, outside_jit
-from jpack._constants import on_host_where_constant
 from jpack._labels import check_inner, group_fn_for, split_partition, with_extra_args
 from jpack._layout import PARTITION_HINT, Layout, plan
 from jpack._pack import Packed, flatten_like, pack, unpack

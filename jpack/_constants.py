@@ -122,13 +122,12 @@ def on_host_where_constant(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., 
     if any(isinstance(x, jax.core.Tracer) for x in leaves):  # eval_shape, jit: no arrays
       return compiled(*args)
     key = (tree, tuple(jax.typeof(x) for x in leaves))
-    if key not in cache:
-      closed, shapes = jax.make_jaxpr(lambda *xs: fn(*tree.unflatten(xs)),
-                                      return_shape=True)(*leaves)
-      known = _known_outputs(closed, mesh)
-      others = [i for i in range(len(closed.out_avals)) if i not in known]
-      rest = _program(closed, others, mesh) if known else compiled
-      cache[key] = known, others, rest, jax.tree.structure(shapes)
+    if key not in cache:  # one trace: the program it lowers is the fallback
+      traced = compiled.trace(*args)
+      known = _known_outputs(traced.jaxpr, mesh)
+      others = [i for i in range(len(traced.jaxpr.out_avals)) if i not in known]
+      rest = _program(traced.jaxpr, others, mesh) if known else traced.lower().compile()
+      cache[key] = known, others, rest, jax.tree.structure(traced.out_info)
     known, others, rest, out_tree = cache[key]
     outs = dict(zip(others, jax.tree.leaves(rest(*args)) if others else []))
     for i, (shape, sharding, by_index) in known.items():
@@ -155,13 +154,14 @@ def _program(closed: ClosedJaxpr, others: list[int], mesh: Mesh) -> Callable[...
       lambda *a: tuple(jax.core.eval_jaxpr(pruned, (), *a)), mesh=mesh,
       in_specs=tuple(eqn.params["in_specs"]), check_vma=False,
       out_specs=tuple(eqn.params["out_specs"][i] for i in others))
+  return jax.jit(lambda *args: per_device(*_operands(closed, jax.tree.leaves(args))))
 
-  def program(*args):
-    env = dict(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, jax.tree.leaves(args)))
-    return per_device(*[v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
 
-  return jax.jit(program)
+def _operands(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+  """The operands of ``closed``'s one equation (its `jax.shard_map`), for inputs ``args``."""
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, args))
+  return [v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.eqns[0].invars]
 
 
 def _known_outputs(closed: ClosedJaxpr, mesh: Mesh) -> dict[int, Any]:
@@ -171,8 +171,7 @@ def _known_outputs(closed: ClosedJaxpr, mesh: Mesh) -> dict[int, Any]:
   if len(eqns) != 1 or eqns[0].primitive.name != "shard_map" or outs != eqns[0].outvars:
     return {}
   body, specs = eqns[0].params["jaxpr"], eqns[0].params["out_specs"]
-  consts = dict(zip(closed.jaxpr.constvars, closed.consts))
-  args = [v.val if isinstance(v, Literal) else consts.get(v, UNKNOWN) for v in eqns[0].invars]
+  args = _operands(closed, [UNKNOWN] * len(closed.jaxpr.invars))
 
   def values(coords):
     def index(axis_name):

@@ -4,11 +4,13 @@ An optimizer's state starts as zeros and a step counter. A program that makes th
 compiles a kernel per array (per leaf, for an optimizer run leaf by leaf), while the same
 arrays placed from the host cost a transfer each. `on_host_where_constant` evaluates the
 traced per-device ``init`` with numpy wherever its inputs do not enter, and compiles only
-the rest (the params).
+the rest (the params). `by_owner` makes every device's first state in ZeRO-1's owned mode
+from two traces, where optax makes it leaf by leaf.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -95,6 +97,44 @@ def constant_outputs(traced: ClosedJaxpr) -> list[np.ndarray] | None:
   outs = evaluate(traced.jaxpr, traced.consts, [UNKNOWN] * len(traced.in_avals),
                   lambda _: VARYING)
   return outs if all(isinstance(x, np.ndarray) for x in outs) else None
+
+
+def by_owner(whole: tuple[ClosedJaxpr, Any], stand_in: tuple[ClosedJaxpr, Any], params: Any,
+             owners: list[list[bool]]) -> list[tuple[Any, list[np.ndarray]]] | None:
+  """Per device, its first state (shapes) and constants, from ``init`` traced on whole
+  param leaves and on stand-ins (``(jaxpr, state shapes)`` each): device k's state leaf is
+  the whole one where it owns the param leaf it is of (``owners[k][j]``), else the
+  stand-in's. None unless constants alone make both, and each state leaf is one param
+  leaf's or the same in both."""
+  (f, sf), (e, se) = whole, stand_in
+  cf, ce, tree = constant_outputs(f), constant_outputs(e), jax.tree.structure(sf)
+  if cf is None or ce is None or tree != jax.tree.structure(se):
+    return None
+  param: list[Any] = [None] * tree.num_leaves
+  for j, i in by_param(jax.tree.unflatten(tree, range(tree.num_leaves)), params):
+    param[i] = j
+  lf, le = jax.tree.leaves(sf), jax.tree.leaves(se)
+  if any(p is None and (lf[i] != le[i] or not np.array_equal(cf[i], ce[i]))
+         for i, p in enumerate(param)):
+    return None
+  picks = [[p is not None and owns[p] for p in param] for owns in owners]
+  return [(jax.tree.unflatten(tree, [a if m else b for m, a, b in zip(pick, lf, le)]),
+           [a if m else b for m, a, b in zip(pick, cf, ce)]) for pick in picks]
+
+
+def by_param(tree: Any, params: Any) -> list[tuple[int, int]]:
+  """(param leaf, leaf) for the int leaves of ``tree`` in its subtrees of the ``params``
+  structure (optax's per-leaf states; a masked-out leaf, `optax.MaskedNode`, holds none)."""
+  def match(x):
+    with contextlib.suppress(ValueError, TypeError):
+      return all(isinstance(p, int) or not jax.tree.leaves(p) for p in params.flatten_up_to(x))
+    return False
+
+  found: list[tuple[int, int]] = []
+  jax.tree.map(lambda x: match(x) and found.extend(
+      (j, p) for j, p in enumerate(params.flatten_up_to(x)) if isinstance(p, int)),
+      tree, is_leaf=match)
+  return found
 
 
 def set_per_device(pairs: list[list[tuple[int, Any]]], dtype: Any, size: int,

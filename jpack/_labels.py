@@ -8,13 +8,11 @@ import inspect
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jpack._known import chain_parts
-from jpack._layout import Layout, retyped
-from jpack._pack import Packed, pack, unpack
+from jpack._layout import Layout
+from jpack._pack import to_buckets, to_tree
 
 Labels = Union[Callable[[Any], Any], Any, None]
 Inner = Union[optax.GradientTransformation, Mapping[str, optax.GradientTransformation]]
@@ -234,39 +232,3 @@ def in_turn(steps: Sequence[tuple[optax.GradientTransformationExtraArgs, bool]],
     return (to_buckets(updates, layout) if as_tree else updates), tuple(new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def updates_dtype(given: Any, returned: Mapping[int, Any], layout: Layout) -> np.dtype:
-  """A bucket's dtype for updates ``returned`` (slot index -> update): ``given``, or their
-  widest float (as `optax.apply_updates` adds them); any other change is refused."""
-  given = np.dtype(given)
-  got = {j: np.dtype(jnp.result_type(x)) for j, x in returned.items()}
-  if set(got.values()) <= {given}:
-    return given
-  if not all(jnp.issubdtype(d, jnp.floating) for d in set(got.values()) | {given}):
-    paths = [layout.slots[j].path for j, d in got.items() if d != given]
-    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    raise TypeError(
-        f"The optimizer returned {sorted(map(str, set(got.values())))} updates for {given} "
-        f"leaves ({shown}); jpack never casts silently. Keep such leaves out of the "
-        "optimizer: jpack.optax.partition with optax.set_to_zero() for them, or out of the params.")
-  return np.dtype(jnp.result_type(*got.values(), given))
-
-
-def to_tree(buckets: Sequence[Any], layout: Layout) -> Any:
-  """The params tree of ``buckets`` of ``layout``, each leaf in its bucket's dtype."""
-  dtypes = [np.dtype(b.dtype) for b in buckets]
-  if dtypes != [b.dtype for b in layout.buckets]:
-    layout = retyped(layout, dtypes)
-  return unpack(Packed(tuple(buckets), layout))
-
-
-def to_buckets(tree: Any, layout: Layout) -> tuple[Any, ...]:
-  """``tree`` (updates returned on the leaves) packed into buckets of `updates_dtype`."""
-  leaves = layout.treedef.flatten_up_to(tree)
-  dtypes = [updates_dtype(bucket.dtype, {j: leaves[j] for j in bucket.slots}, layout)
-            for bucket in layout.buckets]
-  wide = retyped(layout, dtypes)
-  leaves = [x if np.dtype(jnp.result_type(x)) == wide.slots[j].dtype
-            else jnp.asarray(x).astype(wide.slots[j].dtype) for j, x in enumerate(leaves)]
-  return pack(layout.treedef.unflatten(leaves), wide).buckets

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -17,11 +19,11 @@ import optax
 from jax import lax
 
 from jpack._collectives import vary
-from jpack._constants import compact, constant_outputs, set_per_device
+from jpack._constants import by_owner, compact, constant_outputs, set_per_device
 from jpack._internal import empty_shape, is_key_dtype, key_words, leaf_from_flat, storage_dtype
-from jpack._labels import updates_dtype, with_extra_args
+from jpack._labels import with_extra_args
 from jpack._layout import Layout, shard_of
-from jpack._pack import concat_with_gaps
+from jpack._pack import concat_with_gaps, updates_dtype
 
 
 @jax.tree_util.register_dataclass
@@ -67,7 +69,11 @@ class _Device:
 
 def _stored(x: Any) -> tuple[str, int]:
   """A state leaf's buffer dtype and size there (a PRNG key as its uint32 words)."""
-  return storage_dtype(x.dtype).name, int(np.prod(x.shape, dtype=np.int64)) * key_words(x.dtype)
+  name, words = _storage(x.dtype)
+  return name, math.prod(x.shape) * words
+
+
+_storage = functools.lru_cache(lambda dtype: (storage_dtype(dtype).name, key_words(dtype)))
 
 
 def _flatten_state(state: Any, like: Any, dtypes: tuple, sizes: tuple) -> tuple:
@@ -110,51 +116,60 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
     return lax.switch(lax.axis_index(axis_name),
                       [lambda *a, f=f: vary(f(*a), axis_name) for f in branches], *operands)
 
-  def settled(d, shards):
-    """A device's init (traced once: tracing it costs more than running it) and its state
-    after an update, which may widen it (lars' bfloat16 trace)."""
-    traced, init = jax.make_jaxpr(lambda s: tx.init(d.tree(s)), return_shape=True)(shards)
-    if not any(_narrow(x.dtype) for x in (*shards, *jax.tree.leaves(init))):
-      return traced, init  # nothing to widen: tracing every device's update costs seconds
+  def settled(tree, args):
+    """``init`` on ``tree(args)`` (traced once: tracing costs more than running it) and its
+    state after an update, which may widen it (lars' bfloat16 trace)."""
+    traced, init = jax.make_jaxpr(lambda a: tx.init(tree(a)), return_shape=True)(args)
+    if not any(_narrow(x.dtype) for x in (*jax.tree.leaves(args), *jax.tree.leaves(init))):
+      return traced, init  # nothing to widen: tracing an update costs as much again
     for extra in ({}, {"value": jax.ShapeDtypeStruct((), jnp.float32)}):
       with contextlib.suppress(Exception):  # needs other arguments: the init form then
-        after = jax.eval_shape(lambda s, st, e: tx.update(d.tree(s), st, d.tree(s), **e)[1],
-                               shards, init, extra)
+        after = jax.eval_shape(lambda a, st, e: tx.update(tree(a), st, tree(a), **e)[1],
+                               args, init, extra)
         if jax.tree.structure(after) == jax.tree.structure(init):
           return traced, after
     return traced, init
+
+  def by_leaf(specs):
+    """Every device's first state from two traces (on whole leaves, on stand-ins), where
+    optax makes it leaf by leaf: a trace per device costs a second per hundred leaves."""
+    whole = layout.treedef.unflatten([jax.ShapeDtypeStruct(s.shape, specs[s.bucket].dtype)
+                                      for s in layout.slots])
+    return by_owner(settled(lambda t: t, whole), settled(_Device(layout, -1, unit).tree, specs),
+                    layout.treedef, [d.owns for d in devices])
 
   shaped: dict[Any, Any] = {}  # by the shards' shapes: init and every update trace
 
   def init_shapes(shards):
     key = tuple((x.shape, np.dtype(x.dtype)) for x in shards)
     if key not in shaped:
-      traced, shapes = zip(*[settled(d, tuple(jax.ShapeDtypeStruct(*k) for k in key))
-                             for d in devices])
+      specs = tuple(jax.ShapeDtypeStruct(*k) for k in key)
+      first = by_leaf(specs) or [
+          (like, constant_outputs(t)) for t, like in (settled(d.tree, specs) for d in devices)]
+      shapes = [like for like, _ in first]
       stored = [[_stored(x) for x in jax.tree.leaves(s)] for s in shapes]
       dtypes = tuple(sorted({d for leaves in stored for d, _ in leaves}))
       sizes = tuple(max(sum(n for d, n in leaves if d == name) for leaves in stored)
                     for name in dtypes)
-      shaped[key] = shapes, dtypes, sizes, traced
+      starts = [_start(c, like, dtypes) for like, c in first]
+      shaped[key] = shapes, dtypes, sizes, starts, specs
     return shaped[key]
 
   def init_fn(shards):
     shards = tuple(shards)
-    shapes, dtypes, sizes, traced = init_shapes(shards)
-    starts = [_start(t, like, dtypes) for t, like in zip(traced, shapes)]
+    shapes, dtypes, sizes, starts, specs = init_shapes(shards)
     if all(s is not None for s in starts):  # the usual start, with no switch to trace
       buffers = tuple(set_per_device([s[j] for s in starts], d, size, axis_name)
                       for j, (d, size) in enumerate(zip(dtypes, sizes)))
       return OwnedState(vary(buffers, axis_name) if len(devices) > 1 else buffers, dtypes)
-    branches = [lambda s, t=t, like=like: _flatten_state(jax.tree.unflatten(
-        jax.tree.structure(like), jax.core.eval_jaxpr(t.jaxpr, t.consts, *s)), like, dtypes,
-        sizes) for t, like in zip(traced, shapes)]
+    branches = [lambda s, d=d, like=like: _flatten_state(tx.init(d.tree(s)), like, dtypes, sizes)
+                for d, like in zip(devices, shapes)]
     return OwnedState(tuple(switch(branches, shards)), dtypes)
 
   def update_fn(updates, state, params=None, **extra_args):
     updates = tuple(updates)
     params = None if params is None else tuple(params)
-    shapes, dtypes, sizes, _ = init_shapes(updates)
+    shapes, dtypes, sizes, _, _ = init_shapes(updates)
     if dtypes != state.dtypes:
       raise ValueError(f"The state holds buffers of {state.dtypes}, but the optimizer's "
                        f"state on these updates has {dtypes}: it was initialised for "
@@ -166,6 +181,10 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
 
     outs = [jax.eval_shape(lambda *a, d=d, s=s: raw(d, s, *a), updates, state.buffers,
                            params, extra_args) for d, s in zip(devices, shapes)]
+    for k, ((_, after), like) in enumerate(zip(outs, shapes)):  # and so checks `by_leaf`
+      if [x.shape for x in jax.tree.leaves(after)] != [x.shape for x in jax.tree.leaves(like)]:
+        raise ValueError(f"The optimizer's state on device {k} changes shape in its update: "
+                         f"{jax.tree.map(jnp.shape, like)} -> {jax.tree.map(jnp.shape, after)}.")
     owned = {}  # slot index -> its owner's update: wider floats widen its bucket
     for d, (new, _) in zip(devices, outs):
       leaves = layout.treedef.flatten_up_to(new)
@@ -183,11 +202,12 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _start(traced: Any, like: Any, dtypes: tuple[str, ...]) -> list[Any] | None:
+def _start(constants: list[Any] | None, like: Any, dtypes: tuple[str, ...]
+           ) -> list[Any] | None:
   """Per buffer, the positions and values of a device's first state that are not zero,
-  where its init makes constants alone; else None."""
+  where its init makes ``constants`` alone; else None."""
   found, ends = {d: [] for d in dtypes}, dict.fromkeys(dtypes, 0)
-  for x, l in zip(constant_outputs(traced) or [None], jax.tree.leaves(like)):
+  for x, l in zip(constants or [None], jax.tree.leaves(like)):
     if x is None or is_key_dtype(l.dtype):
       return None
     d, size = _stored(l)

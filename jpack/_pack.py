@@ -6,13 +6,14 @@ Both are linear primitives whose transposes are each other, so reverse-mode auto
 unpack); forward mode is the same op on tangents. Slicing leaf by leaf instead would make
 the backward pass one full-size ``pad`` + ``add`` per leaf. On CPU a few of these ops
 take another form (see jpack/_cpu.py); their derivatives are still the plain ones.
+`to_tree` and `to_buckets` carry an optimizer's updates between the two forms.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from jax import lax
 from jpack import _cpu as cpu
 from jpack._internal import (dtype_name, is_key_dtype, leaf_from_flat, outside_jit,
                              replicated, storage_dtype, treedef_text)
-from jpack._layout import Layout, plan
+from jpack._layout import Layout, plan, retyped
 
 
 @jax.tree_util.register_dataclass
@@ -359,3 +360,39 @@ def check_buckets(buckets: tuple[Any, ...], layout: Layout) -> None:
     if is_key_dtype(array.dtype) or np.dtype(array.dtype) != storage_dtype(bucket.dtype):
       raise TypeError(f"Bucket {i} has dtype {array.dtype}, but the layout expects "
                       f"{bucket.dtype}.")
+
+
+def updates_dtype(given: Any, returned: Mapping[int, Any], layout: Layout) -> np.dtype:
+  """A bucket's dtype for updates ``returned`` (slot index -> update): ``given``, or their
+  widest float (as `optax.apply_updates` adds them); any other change is refused."""
+  given = np.dtype(given)
+  got = {j: np.dtype(jnp.result_type(x)) for j, x in returned.items()}
+  if set(got.values()) <= {given}:
+    return given
+  if not all(jnp.issubdtype(d, jnp.floating) for d in set(got.values()) | {given}):
+    paths = [layout.slots[j].path for j, d in got.items() if d != given]
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    raise TypeError(
+        f"The optimizer returned {sorted(map(str, set(got.values())))} updates for {given} "
+        f"leaves ({shown}); jpack never casts silently. Keep such leaves out of the "
+        "optimizer: jpack.optax.partition with optax.set_to_zero() for them, or out of the params.")
+  return np.dtype(jnp.result_type(*got.values(), given))
+
+
+def to_tree(buckets: Sequence[Any], layout: Layout) -> Any:
+  """The params tree of ``buckets`` of ``layout``, each leaf in its bucket's dtype."""
+  dtypes = [np.dtype(b.dtype) for b in buckets]
+  if dtypes != [b.dtype for b in layout.buckets]:
+    layout = retyped(layout, dtypes)
+  return unpack(Packed(tuple(buckets), layout))
+
+
+def to_buckets(tree: Any, layout: Layout) -> tuple[Any, ...]:
+  """``tree`` (updates returned on the leaves) packed into buckets of `updates_dtype`."""
+  leaves = layout.treedef.flatten_up_to(tree)
+  dtypes = [updates_dtype(bucket.dtype, {j: leaves[j] for j in bucket.slots}, layout)
+            for bucket in layout.buckets]
+  wide = retyped(layout, dtypes)
+  leaves = [x if np.dtype(jnp.result_type(x)) == wide.slots[j].dtype
+            else jnp.asarray(x).astype(wide.slots[j].dtype) for j, x in enumerate(leaves)]
+  return pack(layout.treedef.unflatten(leaves), wide).buckets

@@ -7,10 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpack
+from jpack import _constants
 from test_optax import (assert_trees_close, init_sharded, loss, params0, per_leaf_pmean,
                          run)
 
@@ -122,6 +125,27 @@ def test_transforms_that_need_whole_leaves_run_on_owned_leaves_like_optax(name):
     # (tests/test_leafwise.py).
     tol = 2e-4
   assert_trees_close(got, run(make(), 10, reduce=per_leaf_pmean), tol=tol)
+
+
+@given(st.recursive(st.just(0), lambda kids: st.lists(kids, min_size=1, max_size=3) | (
+    st.dictionaries(st.sampled_from("abc"), kids, min_size=1, max_size=3)), max_leaves=8),
+       st.data())
+def test_owned_state_leaves_are_matched_to_their_param_leaves(params, data):
+  # init's state on every device is made from two traces (whole leaves, stand-ins): each
+  # state leaf in a tree of the params' structure is its param's; a chain's list of
+  # states is not one, even where the params are a list of as many leaves.
+  treedef = jax.tree.structure(params)
+  n = treedef.num_leaves
+  masked = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+  mu = treedef.unflatten(range(n))
+  nu = treedef.unflatten([optax.MaskedNode() if m else j for j, m in enumerate(masked)])
+  state = [(-1, mu), (-1, nu, [-1, -1])]  # -1: not a param's
+  want = jax.tree.leaves(state)
+  found = _constants.by_param(jax.tree.unflatten(jax.tree.structure(state),
+                                              range(len(want))), treedef)
+  if treedef == jax.tree.structure(0):  # one array: every state leaf is its
+    want = [0] * len(want)
+  assert {i: j for j, i in found} == {i: j for i, j in enumerate(want) if j >= 0}
 
 
 def test_owned_leaves_keep_about_one_nth_of_the_state():

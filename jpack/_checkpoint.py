@@ -31,7 +31,7 @@ import optax
 from jpack._collectives import Shards
 from jpack._internal import leaf_from_flat
 from jpack._layout import Layout, retyped
-from jpack._owned import OwnedState
+from jpack._owned_state import OwnedState, from_tree, to_tree
 from jpack._pack import Packed, pack
 from jpack._sharded import ShardedState, params_or_masters
 from jpack._transforms import AllReduceState, FlatState
@@ -214,9 +214,11 @@ def _gather_node(state: FlatState | ShardedState, host: Callable[[Any], np.ndarr
   def convert(x):
     if _is_masked(x):
       return x
-    if isinstance(x, OwnedState):  # no tree form: see `_check_owned`
+    if isinstance(x, OwnedState):  # without a `Form`, no tree form: see `_check_owned`
       found.append(x)
-      return {_owned_key(layout): tuple(_host_leaf(b, host) for b in x.buffers)}
+      tree = to_tree(x, layout, host)
+      return {_owned_key(layout): tuple(_host_leaf(b, host) for b in x.buffers)} if (
+          tree is None) else tree
     if not is_buckets(x):
       return _host_leaf(x, host)
     found.append(x)
@@ -362,18 +364,27 @@ def _owned_key(layout: Layout) -> str:
 
 def _check_owned(path: tuple[Any, ...], got: Any, want: OwnedState,
                  layout: Layout) -> OwnedState:
-  """Each device's state of the leaves it owns is kept flattened, in buffers whose
-  layout depends on the device count and the params' layout: it restores as saved."""
+  """Each device's state of the leaves it owns, from optax's state on the params tree
+  (saved in any mode) where it has a `Form`; else as saved: buffers whose layout depends
+  on the device count and the params' layout."""
+  if want.form is not None:
+    target = want.form.tree.unflatten(want.form.whole)
+    if jax.tree.structure(got) != jax.tree.structure(target):
+      raise _structure_error(got, target, path)
+    for (at, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(target)):
+      _check_leaf(path + at, g, w)
+    return from_tree(got, want, layout)
   shapes = lambda bs: [(tuple(np.shape(b)), str(jnp.result_type(b))) for b in bs]  # noqa: E731
   key = _owned_key(layout)
   if not (isinstance(got, dict) and set(got) == {key}
           and shapes(got[key]) == shapes(want.buffers)):
     raise ValueError(
         f"The saved optimizer state at {jax.tree_util.keystr(path)} does not fit the new "
-        "run's: on ZeRO-1, the state of a transformation that needs whole leaves (lamb's "
-        "trust ratio, adafactor, muon) is kept per device, flattened by the device count "
-        "and the params' layout, and restores only onto the same ones. Restore on the same "
-        "number of devices with the same params, or save from mode='packed'.")
+        "run's: on ZeRO-1, a transformation that needs whole leaves, and whose state optax "
+        "does not make leaf by leaf (a PRNG key in it, values read from the params), keeps "
+        "it per device, flattened by the device count and the params' layout: it restores "
+        "only onto the same ones. Restore on the same number of devices with the same "
+        "params, or save from mode='packed'.")
   return OwnedState(tuple(got[key]), want.dtypes)
 
 

@@ -4,8 +4,8 @@ An optimizer's state starts as zeros and a step counter. A program that makes th
 compiles a kernel per array (per leaf, for an optimizer run leaf by leaf), while the same
 arrays placed from the host cost a transfer each. `on_host_where_constant` evaluates the
 traced per-device ``init`` with numpy wherever its inputs do not enter, and compiles only
-the rest (the params). `by_owner` makes every device's first state in ZeRO-1's owned mode
-from two traces, where optax makes it leaf by leaf.
+the rest (the params). `by_param_leaf` lets ZeRO-1's owned mode make every device's first
+state from two traces, where optax makes it leaf by leaf.
 """
 
 from __future__ import annotations
@@ -99,27 +99,24 @@ def constant_outputs(traced: ClosedJaxpr) -> list[np.ndarray] | None:
   return outs if all(isinstance(x, np.ndarray) for x in outs) else None
 
 
-def by_owner(whole: tuple[ClosedJaxpr, Any], stand_in: tuple[ClosedJaxpr, Any], params: Any,
-             owners: list[list[bool]]) -> list[tuple[Any, list[np.ndarray]]] | None:
-  """Per device, its first state (shapes) and constants, from ``init`` traced on whole
-  param leaves and on stand-ins (``(jaxpr, state shapes)`` each): device k's state leaf is
-  the whole one where it owns the param leaf it is of (``owners[k][j]``), else the
-  stand-in's. None unless constants alone make both, and each state leaf is one param
-  leaf's or the same in both."""
-  (f, sf), (e, se) = whole, stand_in
-  cf, ce, tree = constant_outputs(f), constant_outputs(e), jax.tree.structure(sf)
-  if cf is None or ce is None or tree != jax.tree.structure(se):
+def by_param_leaf(whole: ClosedJaxpr, whole_state: Any, stand_in: ClosedJaxpr,
+                  stand_in_state: Any, params: Any) -> tuple[list[int], list, list] | None:
+  """For ``init`` traced on whole param leaves and on stand-ins (each a jaxpr and its state
+  shapes): each state leaf's param leaf (-1: none), and both traces' constants. None
+  unless constants alone make both, and each state leaf is one param leaf's or the same
+  in both."""
+  cw, cs = constant_outputs(whole), constant_outputs(stand_in)
+  tree = jax.tree.structure(whole_state)
+  if cw is None or cs is None or tree != jax.tree.structure(stand_in_state):
     return None
-  param: list[Any] = [None] * tree.num_leaves
+  param = [-1] * tree.num_leaves
   for j, i in by_param(jax.tree.unflatten(tree, range(tree.num_leaves)), params):
     param[i] = j
-  lf, le = jax.tree.leaves(sf), jax.tree.leaves(se)
-  if any(p is None and (lf[i] != le[i] or not np.array_equal(cf[i], ce[i]))
+  lw, ls = jax.tree.leaves(whole_state), jax.tree.leaves(stand_in_state)
+  if any(p < 0 and (lw[i] != ls[i] or not np.array_equal(cw[i], cs[i]))
          for i, p in enumerate(param)):
     return None
-  picks = [[p is not None and owns[p] for p in param] for owns in owners]
-  return [(jax.tree.unflatten(tree, [a if m else b for m, a, b in zip(pick, lf, le)]),
-           [a if m else b for m, a, b in zip(pick, cf, ce)]) for pick in picks]
+  return param, cw, cs
 
 
 def by_param(tree: Any, params: Any) -> list[tuple[int, int]]:

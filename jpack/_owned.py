@@ -7,9 +7,6 @@ transformation on each device's own leaves under a `lax.switch` on the device's 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -19,20 +16,13 @@ import optax
 from jax import lax
 
 from jpack._collectives import vary
-from jpack._constants import by_owner, compact, constant_outputs, set_per_device
-from jpack._internal import empty_shape, is_key_dtype, key_words, leaf_from_flat, storage_dtype
+from jpack._constants import by_param_leaf, compact, constant_outputs, set_per_device
+from jpack._internal import empty_shape, is_key_dtype
 from jpack._labels import with_extra_args
 from jpack._layout import Layout, shard_of
+from jpack._owned_state import (Form, OwnedState, flatten_state, owners, stored,
+                                unflatten_state)
 from jpack._pack import concat_with_gaps, updates_dtype
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class OwnedState:
-  """The state of a transformation that runs on each device's own leaves."""
-
-  buffers: tuple[jax.Array, ...]  # per dtype: this device's optax state, flattened, padded
-  dtypes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # their names
 
 
 class _Device:
@@ -67,42 +57,6 @@ class _Device:
                  for js, w, d in zip(mine, self.width, dtypes))
 
 
-def _stored(x: Any) -> tuple[str, int]:
-  """A state leaf's buffer dtype and size there (a PRNG key as its uint32 words)."""
-  name, words = _storage(x.dtype)
-  return name, math.prod(x.shape) * words
-
-
-_storage = functools.lru_cache(lambda dtype: (storage_dtype(dtype).name, key_words(dtype)))
-
-
-def _flatten_state(state: Any, like: Any, dtypes: tuple, sizes: tuple) -> tuple:
-  """``state`` in the dtypes of ``like`` (its settled form: only ever wider), one buffer
-  per dtype padded to ``sizes``."""
-  parts: dict[str, list[Any]] = {d: [] for d in dtypes}
-  cast = lambda x, l: x if x.dtype == l.dtype else x.astype(l.dtype)  # noqa: E731
-  for x in jax.tree.leaves(jax.tree.map(cast, state, like)):
-    if is_key_dtype(x.dtype):
-      x = jax.random.key_data(x)
-    parts[_stored(x)[0]].append(jnp.reshape(x, -1))
-  # Padded to the largest device's size; strongly typed, as a branch whose state is only
-  # Python scalars would be weakly typed.
-  return tuple(lax.convert_element_type(jnp.concatenate(
-      parts[d] + [jnp.zeros(size - sum(p.size for p in parts[d]), d)]), d)
-      for d, size in zip(dtypes, sizes))
-
-
-def _unflatten_state(buffers: tuple, dtypes: tuple[str, ...], like: Any) -> Any:
-  by_dtype, ends = dict(zip(dtypes, buffers)), dict.fromkeys(dtypes, 0)
-
-  def leaf(x):  # from its buffer, of its dtype
-    d, size = _stored(x)
-    ends[d] += size
-    return leaf_from_flat(by_dtype[d][ends[d] - size:ends[d]], x)
-
-  return jax.tree.map(leaf, like)
-
-
 def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
              unit: bool = False) -> optax.GradientTransformationExtraArgs:
   """``tx`` on this device's shards of ``layout``'s buckets, as optax runs it on its own leaves,
@@ -135,8 +89,26 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
     optax makes it leaf by leaf: a trace per device costs a second per hundred leaves."""
     whole = layout.treedef.unflatten([jax.ShapeDtypeStruct(s.shape, specs[s.bucket].dtype)
                                       for s in layout.slots])
-    return by_owner(settled(lambda t: t, whole), settled(_Device(layout, -1, unit).tree, specs),
-                    layout.treedef, [d.owns for d in devices])
+    (f, sf), (e, se) = (settled(lambda t: t, whole),
+                        settled(_Device(layout, -1, unit).tree, specs))
+    found = by_param_leaf(f, sf, e, se, layout.treedef)
+    if found is None:
+      return None
+    param, cf, ce = found
+    lf, le = jax.tree.leaves(sf), jax.tree.leaves(se)
+    if any(x.size > 64 for x, p in zip(ce, param) if p >= 0) or (  # kept by no `Form`
+        (layout.treedef.node_data() or [None])[0] in (list, tuple) and any(  # counts?
+            p >= 0 and a == b and np.array_equal(x, y)
+            for a, b, x, y, p in zip(lf, le, cf, ce, param))):
+      return None
+    bare = lambda xs: tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)  # noqa: E731
+    form = Form(jax.tree.structure(sf), bare(lf), bare(le),
+                tuple(tuple(np.reshape(x, -1).tolist()) if p >= 0 else ()
+                      for x, p in zip(ce, param)), tuple(param))
+    owner = owners(layout)
+    return form, [(form.tree.unflatten([l for _, _, l in form.leaves([o == k for o in owner])]),
+                   [a if p >= 0 and owner[p] == k else b for a, b, p in zip(cf, ce, param)])
+                  for k in range(len(devices))]
 
   shaped: dict[Any, Any] = {}  # by the shards' shapes: init and every update trace
 
@@ -144,39 +116,39 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
     key = tuple((x.shape, np.dtype(x.dtype)) for x in shards)
     if key not in shaped:
       specs = tuple(jax.ShapeDtypeStruct(*k) for k in key)
-      first = by_leaf(specs) or [
-          (like, constant_outputs(t)) for t, like in (settled(d.tree, specs) for d in devices)]
+      form, first = by_leaf(specs) or (None, [
+          (like, constant_outputs(t)) for t, like in (settled(d.tree, specs) for d in devices)])
       shapes = [like for like, _ in first]
-      stored = [[_stored(x) for x in jax.tree.leaves(s)] for s in shapes]
-      dtypes = tuple(sorted({d for leaves in stored for d, _ in leaves}))
-      sizes = tuple(max(sum(n for d, n in leaves if d == name) for leaves in stored)
+      kept = [[stored(x) for x in jax.tree.leaves(s)] for s in shapes]
+      dtypes = tuple(sorted({d for leaves in kept for d, _ in leaves}))
+      sizes = tuple(max(sum(n for d, n in leaves if d == name) for leaves in kept)
                     for name in dtypes)
       starts = [_start(c, like, dtypes) for like, c in first]
-      shaped[key] = shapes, dtypes, sizes, starts, specs
+      shaped[key] = shapes, dtypes, sizes, starts, specs, form
     return shaped[key]
 
   def init_fn(shards):
     shards = tuple(shards)
-    shapes, dtypes, sizes, starts, specs = init_shapes(shards)
+    shapes, dtypes, sizes, starts, specs, form = init_shapes(shards)
     if all(s is not None for s in starts):  # the usual start, with no switch to trace
       buffers = tuple(set_per_device([s[j] for s in starts], d, size, axis_name)
                       for j, (d, size) in enumerate(zip(dtypes, sizes)))
-      return OwnedState(vary(buffers, axis_name) if len(devices) > 1 else buffers, dtypes)
-    branches = [lambda s, d=d, like=like: _flatten_state(tx.init(d.tree(s)), like, dtypes, sizes)
+      return OwnedState(vary(buffers, axis_name) if len(devices) > 1 else buffers, dtypes, form)
+    branches = [lambda s, d=d, like=like: flatten_state(tx.init(d.tree(s)), like, dtypes, sizes)
                 for d, like in zip(devices, shapes)]
-    return OwnedState(tuple(switch(branches, shards)), dtypes)
+    return OwnedState(tuple(switch(branches, shards)), dtypes, form)
 
   def update_fn(updates, state, params=None, **extra_args):
     updates = tuple(updates)
     params = None if params is None else tuple(params)
-    shapes, dtypes, sizes, _, _ = init_shapes(updates)
+    shapes, dtypes, sizes, _, _, form = init_shapes(updates)
     if dtypes != state.dtypes:
       raise ValueError(f"The state holds buffers of {state.dtypes}, but the optimizer's "
                        f"state on these updates has {dtypes}: it was initialised for "
                        "another layout or optimizer.")
 
     def raw(d, like, u, buffers, p, extra):
-      return tx.update(d.tree(u), _unflatten_state(buffers, dtypes, like),
+      return tx.update(d.tree(u), unflatten_state(buffers, dtypes, like),
                        None if p is None else d.tree(p), **extra)
 
     outs = [jax.eval_shape(lambda *a, d=d, s=s: raw(d, s, *a), updates, state.buffers,
@@ -194,10 +166,10 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
 
     branches = [lambda u, b, p, e, d=d, s=s: (
         lambda new: (d.shards(new[0], out_dtypes),
-                     _flatten_state(new[1], s, dtypes, sizes)))(raw(d, s, u, b, p, e))
+                     flatten_state(new[1], s, dtypes, sizes)))(raw(d, s, u, b, p, e))
                 for d, s in zip(devices, shapes)]
     new, buffers = switch(branches, updates, state.buffers, params, extra_args)
-    return tuple(new), OwnedState(tuple(buffers), dtypes)
+    return tuple(new), OwnedState(tuple(buffers), dtypes, form)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -210,7 +182,7 @@ def _start(constants: list[Any] | None, like: Any, dtypes: tuple[str, ...]
   for x, l in zip(constants or [None], jax.tree.leaves(like)):
     if x is None or is_key_dtype(l.dtype):
       return None
-    d, size = _stored(l)
+    d, size = stored(l)
     if np.any(compact(x)):  # a few (muon's coefficients), or too many to set one by one
       if x.size > 4096:
         return None

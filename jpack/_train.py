@@ -383,7 +383,7 @@ def _packed_on_host(params: Any, layout: Layout, host_packed: bool) -> Any:
 
 def _traced_once(local_init: Callable[..., Any]) -> Callable[..., Any]:
   """``local_init`` traced once per argument types, then replayed: the state's shapes
-  and ``init`` both trace it, and ZeRO-1's owned leaves trace the optimizer per device."""
+  and ``init`` both trace it, and ZeRO-1's owned leaves trace the optimizer more than once."""
   traced: dict[Any, Any] = {}
 
   def replay(params, model_state=None):

@@ -186,15 +186,44 @@ def test_a_sharded_run_on_8_restores_onto_4_and_1(n, tmp_path):
   assert_close(dpn.unpack(train(dpn, restored, 3, 5)), dp8.unpack(train(dp8, state, 3, 5)))
 
 
-def test_an_owned_state_restores_on_the_same_device_count_and_no_other(tmp_path):
-  # muon runs on each device's own whole leaves: its state is kept per device,
-  # flattened by the device count and layout.
-  dp8 = make("sharded", 8, optimizer=optax.contrib.muon(1e-2))
+@pytest.mark.parametrize("make_optimizer", [lambda: optax.contrib.muon(1e-2),
+                                            lambda: optax.adafactor(1e-2)],
+                         ids=["muon", "adafactor"])
+def test_an_owned_state_saves_as_optax_state_and_restores_in_any_mode_and_count(
+    make_optimizer, tmp_path):
+  # ZeRO-1 runs these on each device's own whole leaves: the saved state is optax's on
+  # the params tree, as one device trains it.
+  dp8 = make("sharded", 8, optimizer=make_optimizer())
+  state = train(dp8, dp8.init(params0()), 0, 3)
+  tx, params = make_optimizer(), params0()
+  opt_state = tx.init(params)
+  for step in range(3):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch_at(step)), opt_state, params)
+    params = optax.apply_updates(params, updates)
+  assert_close(saved_tree(dp8, state)["opt_state"], opt_state)
+  save(tmp_path, dp8, state, 3)
+  want = dp8.unpack(train(dp8, state, 3, 5))
+  for mode, n in [("sharded", 4), ("packed", 8), ("sharded", 8)]:
+    other = make(mode, n, optimizer=make_optimizer())
+    restored, _ = jpack.checkpoint.restore(tmp_path, jax.eval_shape(other.init, params0()))
+    assert_close(other.unpack(train(other, restored, 3, 5)), want)
+  back = tmp_path / "from_packed"  # and the reverse: from mode="packed" onto ZeRO-1
+  packed = make("packed", 8, optimizer=make_optimizer())
+  save(back, packed, train(packed, packed.init(params0()), 0, 3), 3)
+  restored, _ = jpack.checkpoint.restore(back, jax.eval_shape(dp8.init, params0()))
+  assert_close(dp8.unpack(train(dp8, restored, 3, 5)), want)
+
+
+def test_a_per_device_owned_state_restores_on_the_same_device_count_and_no_other(tmp_path):
+  # noisy_sgd's state holds a PRNG key: optax makes it for the whole tree, so each
+  # device keeps its own, flattened by the device count and layout.
+  optimizer = lambda: optax.noisy_sgd(1e-2, key=0)  # noqa: E731
+  dp8 = make("sharded", 8, optimizer=optimizer())
   state = train(dp8, dp8.init(params0()), 0, 3)
   save(tmp_path, dp8, state, 3)
   restored, _ = jpack.checkpoint.restore(tmp_path, jax.eval_shape(dp8.init, params0()))
   assert_bits_equal(dp8.unpack(train(dp8, restored, 3, 5)), dp8.unpack(train(dp8, state, 3, 5)))
-  dp4 = make("sharded", 4, optimizer=optax.contrib.muon(1e-2))
+  dp4 = make("sharded", 4, optimizer=optimizer())
   with pytest.raises(ValueError, match="owned by 8 devices.*not in the new run"):
     jpack.checkpoint.restore(tmp_path, jax.eval_shape(dp4.init, params0()))
 

@@ -203,7 +203,7 @@ def test_an_owned_state_saves_as_optax_state_and_restores_in_any_mode_and_count(
   assert_close(saved_tree(dp8, state)["opt_state"], opt_state)
   save(tmp_path, dp8, state, 3)
   want = dp8.unpack(train(dp8, state, 3, 5))
-  for mode, n in [("sharded", 4), ("packed", 8), ("sharded", 8)]:
+  for mode, n in [("sharded", 4), ("packed", 8), ("fsdp", 4)]:
     other = make(mode, n, optimizer=make_optimizer())
     restored, _ = jpack.checkpoint.restore(tmp_path, jax.eval_shape(other.init, params0()))
     assert_close(other.unpack(train(other, restored, 3, 5)), want)

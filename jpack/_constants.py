@@ -121,15 +121,20 @@ def by_param_leaf(whole: ClosedJaxpr, whole_state: Any, stand_in: ClosedJaxpr,
 
 def by_param(tree: Any, params: Any) -> list[tuple[int, int]]:
   """(param leaf, leaf) for the int leaves of ``tree`` in its subtrees of the ``params``
-  structure (optax's per-leaf states; a masked-out leaf, `optax.MaskedNode`, holds none)."""
+  structure (optax's per-leaf states): at each param's place an int, a list of them (sm3's
+  accumulators per dim), or nothing (a masked-out leaf, `optax.MaskedNode`)."""
+  def ints(p):
+    return [p] if isinstance(p, int) else p if type(p) is list and all(
+        isinstance(q, int) for q in p) else None if jax.tree.leaves(p) else []
+
   def match(x):
     with contextlib.suppress(ValueError, TypeError):
-      return all(isinstance(p, int) or not jax.tree.leaves(p) for p in params.flatten_up_to(x))
+      return all(ints(p) is not None for p in params.flatten_up_to(x))
     return False
 
   found: list[tuple[int, int]] = []
   jax.tree.map(lambda x: match(x) and found.extend(
-      (j, p) for j, p in enumerate(params.flatten_up_to(x)) if isinstance(p, int)),
+      (j, i) for j, p in enumerate(params.flatten_up_to(x)) for i in ints(p)),
       tree, is_leaf=match)
   return found
 

@@ -187,8 +187,9 @@ def test_a_sharded_run_on_8_restores_onto_4_and_1(n, tmp_path):
 
 
 @pytest.mark.parametrize("make_optimizer", [lambda: optax.contrib.muon(1e-2),
-                                            lambda: optax.adafactor(1e-2)],
-                         ids=["muon", "adafactor"])
+                                            lambda: optax.adafactor(1e-2),
+                                            lambda: optax.sm3(0.1)],
+                         ids=["muon", "adafactor", "sm3"])
 def test_an_owned_state_saves_as_optax_state_and_restores_in_any_mode_and_count(
     make_optimizer, tmp_path):
   # ZeRO-1 runs these on each device's own whole leaves: the saved state is optax's on

@@ -132,14 +132,15 @@ def test_transforms_that_need_whole_leaves_run_on_owned_leaves_like_optax(name):
        st.data())
 def test_owned_state_leaves_are_matched_to_their_param_leaves(params, data):
   # init's state on every device is made from two traces (whole leaves, stand-ins): each
-  # state leaf in a tree of the params' structure is its param's; a chain's tuple of
-  # states is not one.
+  # state leaf in a tree of the params' structure is its param's (or in a list there);
+  # a chain's tuple of states is not one.
   treedef = jax.tree.structure(params)
   n = treedef.num_leaves
   masked = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
   mu = treedef.unflatten(range(n))
   nu = treedef.unflatten([optax.MaskedNode() if m else j for j, m in enumerate(masked)])
-  state = ((-1, mu), (-1, nu, (-1, -1)))  # -1: not a param's
+  per_dim = treedef.unflatten([[j, j] for j in range(n)])  # sm3: a list per leaf
+  state = ((-1, mu), (-1, nu, (-1, -1)), per_dim)  # -1: not a param's
   want = jax.tree.leaves(state)
   found = _constants.by_param(jax.tree.unflatten(jax.tree.structure(state),
                                               range(len(want))), treedef)

@@ -368,7 +368,7 @@ def _check_owned(path: tuple[Any, ...], got: Any, want: OwnedState,
   (saved in any mode) where it has a `Form`; else as saved: buffers whose layout depends
   on the device count and the params' layout."""
   if want.form is not None:
-    target = want.form.tree.unflatten(want.form.whole)
+    target = want.form.shapes()
     if jax.tree.structure(got) != jax.tree.structure(target):
       raise _structure_error(got, target, path)
     for (at, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(target)):

@@ -127,15 +127,17 @@ def by_param(tree: Any, params: Any) -> list[tuple[int, int]]:
     return [p] if isinstance(p, int) else p if type(p) is list and all(
         isinstance(q, int) for q in p) else None if jax.tree.leaves(p) else []
 
-  def match(x):
+  found: list[tuple[int, int]] = []
+
+  def visit(x):  # a node of the params' structure: its leaves found, not descended into
     with contextlib.suppress(ValueError, TypeError):
-      return all(ints(p) is not None for p in params.flatten_up_to(x))
+      pieces = [ints(p) for p in params.flatten_up_to(x)]
+      if all(p is not None for p in pieces):
+        found.extend((j, i) for j, p in enumerate(pieces) for i in p)
+        return True
     return False
 
-  found: list[tuple[int, int]] = []
-  jax.tree.map(lambda x: match(x) and found.extend(
-      (j, i) for j, p in enumerate(params.flatten_up_to(x)) for i in ints(p)),
-      tree, is_leaf=match)
+  jax.tree.leaves(tree, is_leaf=visit)
   return found
 
 

@@ -19,9 +19,9 @@ from jpack._collectives import vary
 from jpack._constants import by_param_leaf, compact, constant_outputs, set_per_device
 from jpack._internal import empty_shape, is_key_dtype
 from jpack._labels import with_extra_args
-from jpack._layout import Layout, shard_of
-from jpack._owned_state import (Form, OwnedState, flatten_state, owners, stored,
-                                unflatten_state)
+from jpack._layout import Layout
+from jpack._owned_state import (Form, OwnedState, flatten_state, offsets, owners, owns,
+                                stored, unflatten_state)
 from jpack._pack import concat_with_gaps, updates_dtype
 
 
@@ -31,7 +31,7 @@ class _Device:
   def __init__(self, layout: Layout, k: int, unit: bool):
     self.k, self.layout, self.unit = k, layout, unit
     self.width = [b.size // layout.num_shards for b in layout.buckets]
-    self.owns = [shard_of(layout, s) == k and s.size > 0 for s in layout.slots]
+    self.owns = owns(owners(layout), k)
 
   def tree(self, shards: tuple[Any, ...]) -> Any:
     """The params tree of this device's ``shards``, every other leaf empty (or ones)."""
@@ -105,10 +105,9 @@ def on_owned(tx: optax.GradientTransformation, layout: Layout, axis_name: Any,
     form = Form(jax.tree.structure(sf), bare(lf), bare(le),
                 tuple(tuple(np.reshape(x, -1).tolist()) if p >= 0 else ()
                       for x, p in zip(ce, param)), tuple(param))
-    owner = owners(layout)
-    return form, [(form.tree.unflatten([l for _, _, l in form.leaves([o == k for o in owner])]),
-                   [a if p >= 0 and owner[p] == k else b for a, b, p in zip(cf, ce, param)])
-                  for k in range(len(devices))]
+    return form, [(form.tree.unflatten(form.leaves(d.owns)),
+                   [a if p >= 0 and d.owns[p] else b for a, b, p in zip(cf, ce, param)])
+                  for d in devices]
 
   shaped: dict[Any, Any] = {}  # by the shards' shapes: init and every update trace
 
@@ -178,17 +177,16 @@ def _start(constants: list[Any] | None, like: Any, dtypes: tuple[str, ...]
            ) -> list[Any] | None:
   """Per buffer, the positions and values of a device's first state that are not zero,
   where its init makes ``constants`` alone; else None."""
-  found, ends = {d: [] for d in dtypes}, dict.fromkeys(dtypes, 0)
-  for x, l in zip(constants or [None], jax.tree.leaves(like)):
+  found: dict[str, list[Any]] = {d: [] for d in dtypes}
+  leaves = jax.tree.leaves(like)
+  for x, l, (d, at, _) in zip(constants or [None], leaves, offsets(leaves)):
     if x is None or is_key_dtype(l.dtype):
       return None
-    d, size = stored(l)
     if np.any(compact(x)):  # a few (muon's coefficients), or too many to set one by one
       if x.size > 4096:
         return None
       flat = np.asarray(x).astype(l.dtype).reshape(-1)
-      found[d] += [(ends[d] + k, flat[k]) for k in np.flatnonzero(flat)]
-    ends[d] += size
+      found[d] += [(at + k, flat[k]) for k in np.flatnonzero(flat)]
   return [found[d] for d in dtypes]
 
 

@@ -41,17 +41,14 @@ class Form:
   def __hash__(self) -> int:
     return self._hash
 
-  def leaves(self, owns: Sequence[bool]) -> list[tuple[str, int, jax.ShapeDtypeStruct]]:
-    """The state leaves of a device that owns param leaf j where ``owns[j]``: each one's
-    buffer, offset there and shape."""
-    ends: dict[str, int] = {}
-    out = []
-    for whole, stand, p in zip(self.whole, self.stand, self.param):
-      like = whole if p >= 0 and owns[p] else stand
-      d, size = stored(like)
-      out.append((d, ends.get(d, 0), like))
-      ends[d] = ends.get(d, 0) + size
-    return out
+  def leaves(self, owns: Sequence[bool]) -> list[jax.ShapeDtypeStruct]:
+    """The state leaves' shapes on a device that owns param leaf j where ``owns[j]``."""
+    return [whole if p >= 0 and owns[p] else stand
+            for whole, stand, p in zip(self.whole, self.stand, self.param)]
+
+  def shapes(self) -> Any:
+    """The state on the whole params tree, abstract."""
+    return self.tree.unflatten(self.whole)
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +70,17 @@ def stored(x: Any) -> tuple[str, int]:
 _storage = functools.lru_cache(lambda dtype: (storage_dtype(dtype).name, key_words(dtype)))
 
 
+def offsets(leaves: Sequence[Any]) -> list[tuple[str, int, int]]:
+  """Each state leaf's buffer, start and size there, as `flatten_state` places them."""
+  ends: dict[str, int] = {}
+  out = []
+  for x in leaves:
+    d, size = stored(x)
+    out.append((d, ends.get(d, 0), size))
+    ends[d] = ends.get(d, 0) + size
+  return out
+
+
 def flatten_state(state: Any, like: Any, dtypes: tuple, sizes: tuple) -> tuple:
   """``state`` in the dtypes of ``like`` (its settled form: only ever wider), one buffer
   per dtype padded to ``sizes``."""
@@ -91,19 +99,19 @@ def flatten_state(state: Any, like: Any, dtypes: tuple, sizes: tuple) -> tuple:
 
 def unflatten_state(buffers: tuple, dtypes: tuple[str, ...], like: Any) -> Any:
   """The state of shapes ``like`` that `flatten_state` put in ``buffers``."""
-  by_dtype, ends = dict(zip(dtypes, buffers)), dict.fromkeys(dtypes, 0)
-
-  def leaf(x):  # from its buffer, of its dtype
-    d, size = stored(x)
-    ends[d] += size
-    return leaf_from_flat(by_dtype[d][ends[d] - size:ends[d]], x)
-
-  return jax.tree.map(leaf, like)
+  by_dtype, (leaves, tree) = dict(zip(dtypes, buffers)), jax.tree.flatten(like)
+  return tree.unflatten([leaf_from_flat(by_dtype[d][at:at + size], x)
+                         for (d, at, size), x in zip(offsets(leaves), leaves)])
 
 
 def owners(layout: Layout) -> list[int]:
   """Per param leaf, the device that owns it (-1: an empty leaf, no one's)."""
   return [-1 if s.size == 0 else shard_of(layout, s) for s in layout.slots]
+
+
+def owns(owner: Sequence[int], k: int) -> list[bool]:
+  """Per param leaf, whether device ``k`` owns it (``k`` -1: none, every leaf a stand-in)."""
+  return [k >= 0 and o == k for o in owner]
 
 
 def to_tree(state: OwnedState, layout: Layout, host: Callable[[Any], np.ndarray]) -> Any:
@@ -113,10 +121,10 @@ def to_tree(state: OwnedState, layout: Layout, host: Callable[[Any], np.ndarray]
   if form is None:
     return None
   if any(isinstance(b, jax.ShapeDtypeStruct) for b in state.buffers):
-    return form.tree.unflatten(form.whole)
+    return form.shapes()
   owner, n = owners(layout), layout.num_shards
   rows = {d: host(b).reshape(n, -1) for d, b in zip(state.dtypes, state.buffers)}
-  by_device: dict[int, list[Any]] = {}
+  by_device: dict[int, list[Any]] = {}  # each device's leaves' offsets, as needed
   leaves = []
   for i, (whole, p) in enumerate(zip(form.whole, form.param)):
     k = 0 if p < 0 else owner[p]
@@ -124,9 +132,9 @@ def to_tree(state: OwnedState, layout: Layout, host: Callable[[Any], np.ndarray]
       leaves.append(np.zeros(whole.shape, whole.dtype))
       continue
     if k not in by_device:
-      by_device[k] = form.leaves([o == k for o in owner])
-    d, at, like = by_device[k][i]
-    leaves.append(rows[d][k, at:at + stored(like)[1]].reshape(like.shape))
+      by_device[k] = offsets(form.leaves(owns(owner, k)))
+    d, at, size = by_device[k][i]
+    leaves.append(rows[d][k, at:at + size].reshape(whole.shape))
   return form.tree.unflatten(leaves)
 
 
@@ -137,8 +145,9 @@ def from_tree(tree_state: Any, like: OwnedState, layout: Layout) -> OwnedState:
   saved = form.tree.flatten_up_to(tree_state)
   rows = {d: np.zeros((n, b.shape[0] // n), d) for d, b in zip(like.dtypes, like.buffers)}
   for k in range(n):
-    for (d, at, shape), x, fill, p in zip(form.leaves([o == k for o in owner]), saved,
-                                          form.fill, form.param):
+    likes = form.leaves(owns(owner, k))
+    for (d, at, size), shape, x, fill, p in zip(offsets(likes), likes, saved, form.fill,
+                                                form.param):
       value = x if p < 0 or owner[p] == k else np.asarray(fill, shape.dtype)
-      rows[d][k, at:at + stored(shape)[1]] = np.reshape(value, -1)
+      rows[d][k, at:at + size] = np.reshape(value, -1)
   return OwnedState(tuple(rows[d].reshape(-1) for d in like.dtypes), like.dtypes, form)

@@ -121,9 +121,9 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
   """``loss_fn(params, *args)``, each bucket gathered where the loss first reads it.
 
   The loss is traced to a jaxpr and evaluated equation by equation. A bucket is gathered
-  when the equation that first reads one of its leaves is reached, and its gather is
-  made to wait (an optimization barrier) for the equation where the bucket read before
-  it was first read: XLA can then overlap it with one bucket's worth of compute, but
+  before the equation that first reads one of its leaves, and its gather is made to
+  wait (an optimization barrier) for the equation where an earlier bucket was first
+  read (`_waits`): XLA can then overlap it with about one bucket's worth of compute, but
   cannot gather everything at the start (which it does with independent gathers, and
   which holds every parameter for the whole forward pass). Equations that hold their
   own jaxprs (a ``jax.jit``, ``jax.checkpoint`` or ``lax.scan`` of the user's) read
@@ -143,8 +143,7 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
     for v in eqn.invars:
       if not isinstance(v, Literal) and v in bucket_of:
         first.setdefault(bucket_of[v], i)
-  order = sorted(first, key=first.get)
-  after = {first[a]: b for a, b in zip(order, order[1:])}  # gather b once a is read
+  after = _waits(jaxpr.eqns, first)
 
   env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars[len(layout.slots):], jax.tree.leaves(args)))
@@ -164,8 +163,8 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
       leaf = piece.reshape(layout.slots[i].shape)
       env[leaf_vars[i]] = leaf if keep_gathered else checkpoint_name(leaf, _GATHERED)
 
-  if order:
-    gather(order[0])
+  if first:
+    gather(min(first, key=first.get))
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:  # read before its turn (not expected): gathered now
       if not isinstance(v, Literal) and v in bucket_of and v not in env:
@@ -176,13 +175,43 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
                                  for v in eqn.invars], **params)
     out = out if eqn.primitive.multiple_results else [out]
     env.update(zip(eqn.outvars, out))
-    if i in after:
-      gather(after[i], wait=eqn.outvars[0])
+    for b in after.get(i, ()):
+      gather(b, wait=eqn.outvars[0])
   for v in jaxpr.outvars:  # a leaf returned as it is
     if not isinstance(v, Literal) and v in bucket_of and v not in env:
       gather(bucket_of[v])
   outs = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _waits(eqns: list[Any], first: dict[int, int]) -> dict[int, list[int]]:
+  """Each equation's buckets, gathered once it is computed: every bucket but the first
+  read waits for the equation that first reads the latest bucket its own first reader
+  depends on, else the bucket read before it.
+
+  Matmuls that read the same input (BERT's query, key and value, llama's gate and up
+  projections) then have their gathers started together, before the first of them: made
+  to wait for each other's matmul, a gather would have nothing to overlap."""
+  order = sorted(first, key=first.get)
+  readers: dict[int, list[int]] = {}  # equation -> the positions in order it reads first
+  for k, b in enumerate(order):
+    readers.setdefault(first[b], []).append(k)
+  after: dict[int, list[int]] = {}
+  depends: dict[Any, int] = {}  # variable -> the readers it depends on, a bit per position
+  for i, eqn in enumerate(eqns):
+    bits = 0
+    for v in eqn.invars:
+      if not isinstance(v, Literal):
+        bits |= depends.get(v, 0)
+    for k in readers.get(i, ()):
+      if k:
+        j = bits.bit_length() - 1 if bits else k - 1
+        after.setdefault(first[order[j]], []).append(order[k])
+    for k in readers.get(i, ()):
+      bits |= 1 << k
+    for v in eqn.outvars:
+      depends[v] = bits
+  return after
 
 
 def _split(full: jax.Array, layout: Any, b: int) -> list[tuple[int, jax.Array]]:

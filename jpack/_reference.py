@@ -192,6 +192,8 @@ _INSTR_RE = re.compile(
 _COMP_RE = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLS_RE = re.compile(r"(?:calls|body|to_apply)=%([\w.\-]+)")
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# A matmul or convolution kernel: a cuBLAS/cuDNN call or a Triton gemm fusion.
+_MATMUL_RE = re.compile(r'__cublas|__cudnn\$conv|"kind":"__triton[a-z_]*gemm')
 
 
 def _type_bytes(text: str) -> int:
@@ -249,6 +251,7 @@ class CollectiveOp:
   dtype: str       # its operands' element type, e.g. "f32"
   bytes: int       # bytes of its result
   overlapped: bool  # a compute kernel is scheduled between its start and its done
+  leading: bool = False  # done before the program's first matmul or convolution
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +358,7 @@ def analyze_program(hlo_text: str) -> Program:
     return total
 
   kernels = hbm = copies = copy_bytes = 0
+  matmuls = 0
   collectives: list[CollectiveOp] = []
   per_kernel: list[tuple[str, str, int]] = []
 
@@ -362,7 +366,7 @@ def analyze_program(hlo_text: str) -> Program:
     return i.op not in _NOT_KERNELS and not i.op.endswith("-done")
 
   def walk(comp: str, trips: int) -> None:
-    nonlocal kernels, hbm, copies, copy_bytes
+    nonlocal kernels, hbm, copies, copy_bytes, matmuls
     instrs = comps.get(comp, [])
     types = {i.name: i.type for i in instrs}
     for pos, i in enumerate(instrs):
@@ -374,6 +378,7 @@ def analyze_program(hlo_text: str) -> Program:
       if not is_kernel(i):
         continue
       kernels += trips
+      matmuls += bool(_MATMUL_RE.search(i.line))
       out = _type_bytes(i.type)
       between: list[_Instr] = []  # what is scheduled between an async start and its done
       if i.op.endswith("-start") or i.op == "async-start":
@@ -396,7 +401,8 @@ def analyze_program(hlo_text: str) -> Program:
       dtype = next(iter(_dtypes(types.get(i.operands[0], "") if i.operands else i.type)),
                    "?")
       overlapped = any(is_kernel(k) and collective_of(k) is None for k in between)
-      collectives.append(CollectiveOp(base, dtype, out * trips, overlapped))
+      leading = not matmuls and not any(_MATMUL_RE.search(k.line) for k in between)
+      collectives.append(CollectiveOp(base, dtype, out * trips, overlapped, leading))
 
   walk(entry, 1)
   return Program(kernels, hbm, copies, copy_bytes, tuple(collectives), tuple(per_kernel))

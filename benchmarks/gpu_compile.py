@@ -164,7 +164,8 @@ def zero3_goals(results: dict[str, Result], grad_bytes: int, large: bool
             r.arg_bytes <= 1.01 * 3 * grad_bytes / NUM_GPUS,
         "peak <= jit FSDP's": all(r.peak_bytes <= j.peak_bytes for j in jit),
         "collectives >= 1 MiB overlapped, but the gathers before the first matmul and "
-        "the last reduce-scatter": all(c.overlapped for c in big if not any(c is e for e in exempt)),
+        "the last reduce-scatter":
+            all(c.overlapped for c in big if not any(c is e for e in exempt)),
         "fewer kernels than jit FSDP": all(r.program.kernels < j.program.kernels for j in jit),
         "fewer collectives than jit FSDP":
             all(len(r.program.collectives) < len(j.program.collectives) for j in jit)}

@@ -143,7 +143,8 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
     for v in eqn.invars:
       if not isinstance(v, Literal) and v in bucket_of:
         first.setdefault(bucket_of[v], i)
-  after = _waits(jaxpr.eqns, first)
+  order = sorted(first, key=first.get)
+  after = _waits(jaxpr.eqns, first, order)
 
   env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars[len(layout.slots):], jax.tree.leaves(args)))
@@ -163,8 +164,8 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
       leaf = piece.reshape(layout.slots[i].shape)
       env[leaf_vars[i]] = leaf if keep_gathered else checkpoint_name(leaf, _GATHERED)
 
-  if first:
-    gather(min(first, key=first.get))
+  if order:
+    gather(order[0])
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:  # read before its turn (not expected): gathered now
       if not isinstance(v, Literal) and v in bucket_of and v not in env:
@@ -184,15 +185,16 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-def _waits(eqns: list[Any], first: dict[int, int]) -> dict[int, list[int]]:
+def _waits(eqns: list[Any], first: dict[int, int], order: list[int]
+           ) -> dict[int, list[int]]:
   """Each equation's buckets, gathered once it is computed: every bucket but the first
-  read waits for the equation that first reads the latest bucket its own first reader
-  depends on, else the bucket read before it.
+  read (``order``: the buckets by ``first``, the equation that first reads each) waits
+  for the equation that first reads the latest bucket its own first reader depends on,
+  else the bucket read before it.
 
   Matmuls that read the same input (BERT's query, key and value, llama's gate and up
   projections) then have their gathers started together, before the first of them: made
   to wait for each other's matmul, a gather would have nothing to overlap."""
-  order = sorted(first, key=first.get)
   readers: dict[int, list[int]] = {}  # equation -> the positions in order it reads first
   for k, b in enumerate(order):
     readers.setdefault(first[b], []).append(k)
@@ -203,12 +205,12 @@ def _waits(eqns: list[Any], first: dict[int, int]) -> dict[int, list[int]]:
     for v in eqn.invars:
       if not isinstance(v, Literal):
         bits |= depends.get(v, 0)
-    for k in readers.get(i, ()):
+    firsts = readers.get(i, ())
+    for k in firsts:
       if k:
         j = bits.bit_length() - 1 if bits else k - 1
         after.setdefault(first[order[j]], []).append(order[k])
-    for k in readers.get(i, ()):
-      bits |= 1 << k
+    bits |= sum(1 << k for k in firsts)
     for v in eqn.outvars:
       depends[v] = bits
   return after

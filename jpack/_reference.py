@@ -358,7 +358,7 @@ def analyze_program(hlo_text: str) -> Program:
     return total
 
   kernels = hbm = copies = copy_bytes = 0
-  matmuls = 0
+  matmul_seen = False  # a matmul or convolution kernel scheduled so far
   collectives: list[CollectiveOp] = []
   per_kernel: list[tuple[str, str, int]] = []
 
@@ -366,7 +366,7 @@ def analyze_program(hlo_text: str) -> Program:
     return i.op not in _NOT_KERNELS and not i.op.endswith("-done")
 
   def walk(comp: str, trips: int) -> None:
-    nonlocal kernels, hbm, copies, copy_bytes, matmuls
+    nonlocal kernels, hbm, copies, copy_bytes, matmul_seen
     instrs = comps.get(comp, [])
     types = {i.name: i.type for i in instrs}
     for pos, i in enumerate(instrs):
@@ -378,7 +378,7 @@ def analyze_program(hlo_text: str) -> Program:
       if not is_kernel(i):
         continue
       kernels += trips
-      matmuls += bool(_MATMUL_RE.search(i.line))
+      matmul_seen = matmul_seen or bool(_MATMUL_RE.search(i.line))
       out = _type_bytes(i.type)
       between: list[_Instr] = []  # what is scheduled between an async start and its done
       if i.op.endswith("-start") or i.op == "async-start":
@@ -401,7 +401,7 @@ def analyze_program(hlo_text: str) -> Program:
       dtype = next(iter(_dtypes(types.get(i.operands[0], "") if i.operands else i.type)),
                    "?")
       overlapped = any(is_kernel(k) and collective_of(k) is None for k in between)
-      leading = not matmuls and not any(_MATMUL_RE.search(k.line) for k in between)
+      leading = not matmul_seen and not any(_MATMUL_RE.search(k.line) for k in between)
       collectives.append(CollectiveOp(base, dtype, out * trips, overlapped, leading))
 
   walk(entry, 1)

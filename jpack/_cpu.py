@@ -461,8 +461,10 @@ GPU_SOLO_NDIM = 2
 # gather and a reduce-scatter overlap it together. On two mesh axes the slices are
 # all-reduced across nodes at the end of the backward pass, in groups large enough that
 # their buffers fit into one node's temp (docs/gpu.md).
+FSDP_IN_FLIGHT = 2
 GPU_FSDP_COMPILER_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0,
-                             "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+                             "xla_gpu_experimental_parallel_collective_overlap_limit":
+                                 FSDP_IN_FLIGHT,
                              "xla_gpu_all_reduce_combine_threshold_bytes": 64 << 20}
 
 

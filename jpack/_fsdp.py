@@ -36,6 +36,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal
 
+from jpack import _cpu as cpu
 from jpack._collectives import Shards, axis_size, gather_bucket, mean_over, slice_axes, vary
 
 # The names the checkpoint policy leaves out of the saved residuals.
@@ -149,38 +150,39 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
   env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars[len(layout.slots):], jax.tree.leaves(args)))
 
-  def gather(b, wait=None):
-    """Gather bucket ``b``, after ``wait`` (an equation's output variable) is computed:
-    the rest of the loss reads ``wait`` through the barrier, which keeps it there."""
+  def gather(bs, wait=None):
+    """Gather buckets ``bs`` (of one dtype) after ``wait`` (an equation's output
+    variable) is computed: the rest of the loss reads ``wait`` through the barrier,
+    which keeps it there."""
     # Typed as varying over every data axis, as ``wait`` is: the barrier would make it
     # so anyway, out of the custom VJP's sight (`_gather_bwd` accounts for this one).
-    shard = vary(shards.buckets[b], axis_name)
+    pieces = [vary(shards.buckets[b], axis_name) for b in bs]
     if wait is not None:
-      shard, env[wait] = lax.optimization_barrier((shard, env[wait]))
-    full = _gather(shard, carriers[b], axis_name)
-    if not keep_gathered:
-      full = checkpoint_name(full, _GATHERED)
-    for i, piece in _split(full, layout, b):
-      leaf = piece.reshape(layout.slots[i].shape)
-      env[leaf_vars[i]] = leaf if keep_gathered else checkpoint_name(leaf, _GATHERED)
+      pieces, env[wait] = lax.optimization_barrier((pieces, env[wait]))
+    for b, full in zip(bs, _gather_together(pieces, [carriers[b] for b in bs], axis_name)):
+      if not keep_gathered:
+        full = checkpoint_name(full, _GATHERED)
+      for i, piece in _split(full, layout, b):
+        leaf = piece.reshape(layout.slots[i].shape)
+        env[leaf_vars[i]] = leaf if keep_gathered else checkpoint_name(leaf, _GATHERED)
 
   if order:
-    gather(order[0])
+    gather([order[0]])
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:  # read before its turn (not expected): gathered now
       if not isinstance(v, Literal) and v in bucket_of and v not in env:
-        gather(bucket_of[v])
+        gather([bucket_of[v]])
     params = eqn.primitive.get_bind_params(eqn.params)
     with eqn.ctx.manager:
       out = eqn.primitive.bind(*[v.val if isinstance(v, Literal) else env[v]
                                  for v in eqn.invars], **params)
     out = out if eqn.primitive.multiple_results else [out]
     env.update(zip(eqn.outvars, out))
-    for b in after.get(i, ()):
-      gather(b, wait=eqn.outvars[0])
+    for bs in _by_dtype(after.get(i, ()), shards.buckets):
+      gather(bs, wait=eqn.outvars[0])
   for v in jaxpr.outvars:  # a leaf returned as it is
     if not isinstance(v, Literal) and v in bucket_of and v not in env:
-      gather(bucket_of[v])
+      gather([bucket_of[v]])
   outs = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -214,6 +216,31 @@ def _waits(eqns: list[Any], first: dict[int, int], order: list[int]
     for v in eqn.outvars:
       depends[v] = bits
   return after
+
+
+def _by_dtype(bs: list[int], buckets: tuple[Any, ...]) -> list[list[int]]:
+  """Buckets ``bs``, grouped by dtype (in order of first appearance)."""
+  groups: dict[Any, list[int]] = {}
+  for b in bs:
+    groups.setdefault(buckets[b].dtype, []).append(b)
+  return list(groups.values())
+
+
+def _gather_together(pieces: list[jax.Array], carriers: list[jax.Array], axis_name: Any
+                     ) -> list[jax.Array]:
+  """Each full bucket of slices ``pieces`` (one dtype, gathered at the same point).
+
+  More buckets than collectives in flight (`cpu.FSDP_IN_FLIGHT`: BERT's query, key and
+  value, which XLA then runs as one matmul) are gathered in one all-gather of their
+  concatenation: one at a time, the last would start when the first is done, with
+  nothing left to overlap it. Each bucket is then a strided copy of the result."""
+  if len(pieces) <= cpu.FSDP_IN_FLIGHT:
+    return [_gather(p, c, axis_name) for p, c in zip(pieces, carriers)]
+  sizes = [p.shape[0] for p in pieces]
+  full = _gather(jnp.concatenate(pieces), jnp.concatenate(carriers), axis_name)
+  rows = full.reshape(-1, sum(sizes))  # a row per device: its slice of every bucket
+  starts = np.cumsum([0, *sizes])
+  return [rows[:, a:b].reshape(-1) for a, b in zip(starts[:-1], starts[1:])]
 
 
 def _split(full: jax.Array, layout: Any, b: int) -> list[tuple[int, jax.Array]]:

@@ -221,8 +221,9 @@ def test_hand_written_fsdp_step():
 
 
 def test_hand_written_fsdp_with_a_bucket_per_matrix():
-  """A bucket per matrix and vector; the last two matrices read the same input, so their
-  gathers wait for the same earlier reader, not for each other (docs/gpu.md). The
+  """A bucket per matrix and vector; the last three matrices read the same input, so
+  their gathers wait for the same earlier reader, not for each other, and, more of them
+  than collectives in flight, are gathered in one all-gather (docs/gpu.md). The
   gradient is still the mean gradient's slice: jax.grad of the whole batch's loss on
   one device."""
   rng = np.random.default_rng(1)
@@ -230,12 +231,14 @@ def test_hand_written_fsdp_with_a_bucket_per_matrix():
             "w1": rng.normal(size=(16, 16)).astype(np.float32) / 4,
             "b1": rng.normal(size=16).astype(np.float32),
             "w2": rng.normal(size=(16, 16)).astype(np.float32) / 4,
-            "w3": rng.normal(size=(16, 3)).astype(np.float32) / 4}
+            "w3": rng.normal(size=(16, 3)).astype(np.float32) / 4,
+            "w4": rng.normal(size=(16, 5)).astype(np.float32) / 4}
 
   def loss(p, x):
     h = jnp.sum(x @ p["w0"], axis=-1, keepdims=True) * x @ p["w0"]
     g = jax.nn.gelu(h @ p["w1"] + p["b1"])
-    return jnp.mean((g @ p["w2"] + jnp.tanh(g @ p["w3"]).sum(-1, keepdims=True)) ** 2)
+    return jnp.mean((g @ p["w2"] + jnp.tanh(g @ p["w3"]).sum(-1, keepdims=True)
+                     - jnp.sin(g @ p["w4"]).sum(-1, keepdims=True)) ** 2)
 
   x = rng.normal(size=(32, 12)).astype(np.float32)
   want = jax.grad(loss)(params, x)
@@ -249,9 +252,18 @@ def test_hand_written_fsdp_with_a_bucket_per_matrix():
     return jpack.unpack(jpack.all_gather(g, "batch"))
 
   step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
-  got = step(jax.device_put(params, jax.sharding.NamedSharding(mesh, P())),
-             jax.device_put(x, jax.sharding.NamedSharding(mesh, P("batch"))))
-  _close(jax.device_get(got), want)
+  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+  split = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("batch")))
+  _close(jax.device_get(step(replicated, split)), want)
+
+  def forward(params, x):
+    shards = jpack.shard(jpack.pack(params, layout), "batch")
+    return jax.lax.pmean(jpack.fsdp(loss, "batch")(shards, x), "batch")
+
+  text = jax.jit(jax.shard_map(forward, mesh=mesh, in_specs=(P(), P("batch")),
+                               out_specs=P())).lower(replicated, split).as_text()
+  # w0, w1 and b1 one at a time, w2, w3 and w4 together.
+  assert text.count("stablehlo.all_gather") == 4
 
 
 def _saved_and_restored(saved_in, restored_in, mesh=None, precision=None):

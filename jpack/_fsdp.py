@@ -178,7 +178,7 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
                                  for v in eqn.invars], **params)
     out = out if eqn.primitive.multiple_results else [out]
     env.update(zip(eqn.outvars, out))
-    for bs in _by_dtype(after.get(i, ()), shards.buckets):
+    for bs in _siblings(after.get(i, ()), shards.buckets, first):
       gather(bs, wait=eqn.outvars[0])
   for v in jaxpr.outvars:  # a leaf returned as it is
     if not isinstance(v, Literal) and v in bucket_of and v not in env:
@@ -218,12 +218,23 @@ def _waits(eqns: list[Any], first: dict[int, int], order: list[int]
   return after
 
 
-def _by_dtype(bs: list[int], buckets: tuple[Any, ...]) -> list[list[int]]:
-  """Buckets ``bs``, grouped by dtype (in order of first appearance)."""
+def _siblings(bs: list[int], buckets: tuple[Any, ...], first: dict[int, int]
+              ) -> list[list[int]]:
+  """Buckets ``bs`` (gathered at the same point) in the groups `_gather_together` takes:
+  those of one dtype first read by different operations (sibling matmuls) together,
+  every other bucket alone. (Buckets that one operation reads, a block under the
+  model's own ``jax.checkpoint``, stay apart: gathered together, the copies out of the
+  merged buffer would hold a second copy of the block's weights.)"""
   groups: dict[Any, list[int]] = {}
   for b in bs:
     groups.setdefault(buckets[b].dtype, []).append(b)
-  return list(groups.values())
+  out = []
+  for group in groups.values():
+    if len({first[b] for b in group}) == len(group):
+      out.append(group)
+    else:
+      out.extend([b] for b in group)
+  return out
 
 
 def _gather_together(pieces: list[jax.Array], carriers: list[jax.Array], axis_name: Any

@@ -139,8 +139,9 @@ run_step step 60 "$PYTHON" -m benchmarks step --devices 1 "${STEP_ARGS[@]}" \
 run_step pack 45 "$PYTHON" -m benchmarks pack --quick \
   --workloads resnet50,gpt2_small,many_small_4000 --json "$OUT/pack.json" --markdown "$OUT/pack.md"
 
-# On the CPU (tests/conftest.py), with this machine's jax; the slowest tests left out.
-run_step tests 60 env HYPOTHESIS_PROFILE=dev "$PYTHON" -m pytest -p no:cacheprovider -x -q \
+# On the CPU (tests/conftest.py), with this machine's jax; the slowest tests left out;
+# pytest-benchmark, where installed, would refuse to run beside xdist.
+run_step tests 60 env HYPOTHESIS_PROFILE=dev "$PYTHON" -m pytest -p no:cacheprovider -p no:benchmark -x -q \
   tests/test_gpu_path.py tests/test_pack.py tests/test_layout.py \
   -k "not sharing_kernels and not every_float4 and not every_bit_pattern and not backward_of_unpack"
 

@@ -243,8 +243,29 @@ def unpack_shared(packed: Packed) -> Any:
 
 
 _unpack_compiled = jax.jit(functools.partial(_unpack_traced, share_kernels=False))
-_unpack_compiled_for_cpu = jax.jit(functools.partial(_unpack_traced, share_kernels=False),
-                                   compiler_options=cpu.COMPILER_OPTIONS)
+
+
+@functools.cache
+def _unpack_compiled_with(options: tuple[tuple[str, Any], ...]) -> Any:
+  return jax.jit(functools.partial(_unpack_traced, share_kernels=False),
+                 compiler_options=dict(options))
+
+
+def _unpack_compiled_for_cpu(packed: Packed) -> Any:
+  """`_unpack_compiled` with `cpu.COMPILER_OPTIONS`, where this jaxlib knows them (jaxlib
+  0.11 dropped XLA:CPU's older emitters and their option): faster to compile, same result."""
+  options = tuple(sorted(cpu.COMPILER_OPTIONS.items()))
+  if options not in _UNKNOWN_OPTIONS:
+    try:
+      return _unpack_compiled_with(options)(packed)
+    except jax.errors.JaxRuntimeError as e:
+      if "No such compile option" not in str(e):
+        raise
+      _UNKNOWN_OPTIONS.add(options)
+  return _unpack_compiled(packed)
+
+
+_UNKNOWN_OPTIONS: set[tuple[tuple[str, Any], ...]] = set()
 
 
 def _check_same_devices(leaves: list[Any], layout: Layout) -> None:

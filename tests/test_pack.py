@@ -429,6 +429,18 @@ def test_unpack_outside_jit_compiles_sharded_buckets(monkeypatch):
   _assert_bit_identical(jax.jit(jpack.unpack)(packed), tree)
 
 
+def test_unpack_outside_jit_without_the_cpu_compiler_options(monkeypatch):
+  # jaxlib 0.11 no longer knows XLA:CPU's option for its older emitters: the eager
+  # unpack compiles without it rather than fail.
+  monkeypatch.setattr(jpack._cpu, "COMPILER_OPTIONS", {"xla_cpu_no_such_option": False})
+  tree = {"a": np.arange(5, dtype=np.float32), "c": np.asarray([1.5, np.nan], jnp.bfloat16)}
+  mesh = jax.make_mesh((8,), ("x",))
+  packed = jax.device_put(jpack.pack(tree, jpack.plan(tree, num_shards=8)),
+                          NamedSharding(mesh, P("x")))
+  for _ in range(2):  # the second call goes straight to the program without the option
+    _assert_bit_identical(jpack.unpack(packed), tree)
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_unpack_of_a_sharded_bucket_that_one_leaf_fills(traced):
   # Regression: such a leaf was reshaped straight from the sharded bucket, which JAX

@@ -1,5 +1,6 @@
 """One adam update on one device, per workload: ``optax.adam`` on the tree (per-leaf),
-``jpack.optax.flat(optax.adam)`` on packed params and gradients (jpack), and
+``jpack.optax.flat(optax.adam)`` on packed params and gradients (jpack; and "jpack, one
+bucket": one bucket per dtype, the fewest buffers a call passes), and
 ``torch.optim.Adam`` (fused on CUDA, else foreach on CPU, labelled so; "n/a" without
 torch). Times: one call's wall time, the median of interleaved rounds.
 """
@@ -19,7 +20,7 @@ TITLE = "jpack optimizer update benchmark"
 MERGE_KEY = "workload"
 LEARNING_RATE = 1e-3
 MODELS = h.workload_names()
-VARIANTS = ("per_leaf", "jpack", "torch")
+VARIANTS = ("per_leaf", "jpack", "jpack_one", "torch")
 # XLA:CPU takes minutes to compile per-leaf adam over 4000 leaves: a quick run skips it.
 DEFAULTS = dict(rounds=10, scale=1.0,
                 models=["gpt2_small", "bert_base", "resnet50", "many_small_4000"])
@@ -119,18 +120,19 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
   layout = jpack.plan(params)
   print(f"  {len(layout.buckets)} buckets", flush=True)
   # jpack's inputs are packed first: the per-leaf update donates ``params``.
-  calls: dict[str, Any] = {"jpack": _Update(jpack.optax.flat(optax.adam(LEARNING_RATE)),
-                                            jpack.pack(grads, layout),
-                                            jpack.pack(params, layout))}
+  one = jpack.plan(params, bucket_bytes=1 << 62, max_leaves=None, solo_bytes=None)
+  calls: dict[str, Any] = {k: _Update(jpack.optax.flat(optax.adam(LEARNING_RATE)),
+                                      jpack.pack(grads, lay), jpack.pack(params, lay))
+                           for k, lay in (("jpack", layout), ("jpack_one", one))}
   torch_adam = _TorchAdam(torch, params, grads) if torch is not None else None
   calls["per_leaf"] = _Update(optax.adam(LEARNING_RATE), grads, params)
   del params, grads
-  compile_s = {k: calls[k].compiled.total_s for k in ("per_leaf", "jpack")}
+  compile_s = {k: calls[k].compiled.total_s for k in ("per_leaf", "jpack", "jpack_one")}
   print("  compile: " + ", ".join(f"{k} {h.fmt_s(s)} s" for k, s in compile_s.items()),
         flush=True)
 
   reference = {k: np.asarray(v, np.float64) for k, v in calls["per_leaf"]().items()}
-  max_diff = {"jpack": h.max_diff(reference, jpack.unpack(calls["jpack"]()))}
+  max_diff = {k: h.max_diff(reference, jpack.unpack(calls[k]())) for k in ("jpack", "jpack_one")}
   if torch_adam is not None:
     torch_adam()
     max_diff["torch"] = h.max_diff(reference, torch_adam.params())
@@ -148,8 +150,9 @@ def bench_workload(w: h.Workload, torch: Any, *, runs: int) -> Result:
 def _tables(results: list[Result]) -> tuple[h.Table, h.Table]:
   """The times of every workload, and the goals they are held to."""
   times = h.Table(["workload", "leaves", "M params", "buckets", "per-leaf ms", "jpack ms",
-                   "torch ms", "torch Adam", "speed-up vs per-leaf", "speed-up vs torch",
-                   "max |Δp| jpack", "max |Δp| torch"],
+                   "one bucket ms", "torch ms", "torch Adam", "speed-up vs per-leaf",
+                   "speed-up vs torch", "one bucket vs torch", "max |Δp| jpack",
+                   "max |Δp| torch"],
                   title=f"One adam update on one {jax.devices()[0].platform} device")
   goals = h.Table(["goal", "workload", "value", "limit", "result"], title="Goals")
   for r in results:
@@ -158,16 +161,20 @@ def _tables(results: list[Result]) -> tuple[h.Table, h.Table]:
     over_leaf, over_torch = (t["jpack"].over(t[k]) if k in t else None
                              for k in ("per_leaf", "torch"))
     vs_leaf, vs_torch = (None if x is None else 1 / x for x in (over_leaf, over_torch))
+    one_vs_torch = t["torch"].over(t["jpack_one"]) if "torch" in t else None
     torch_s = t["torch"].median_s if "torch" in t else None
     diff_torch = r.max_diff.get("torch")
     times.add(w.name, w.num_leaves, f"{w.num_elements / 1e6:.3g}", r.buckets,
               h.fmt_ms(t["per_leaf"].median_s), h.fmt_ms(t["jpack"].median_s),
+              h.fmt_ms(t["jpack_one"].median_s),
               "n/a" if torch_s is None else h.fmt_ms(torch_s), r.torch_label,
               h.fmt_ratio(vs_leaf), "n/a" if vs_torch is None else h.fmt_ratio(vs_torch),
+              "n/a" if one_vs_torch is None else h.fmt_ratio(one_vs_torch),
               f"{r.max_diff['jpack']:.1e}", "-" if diff_torch is None else f"{diff_torch:.1e}",
               workload=w.name, leaves=w.num_leaves, params=w.num_elements, bytes=w.nbytes,
               buckets=r.buckets, per_leaf_s=t["per_leaf"].median_s,
-              jpack_s=t["jpack"].median_s, torch_s=torch_s, torch_adam=r.torch_label,
+              jpack_s=t["jpack"].median_s, jpack_one_s=t["jpack_one"].median_s,
+              torch_s=torch_s, torch_adam=r.torch_label, one_bucket_speedup_vs_torch=one_vs_torch,
               compile_s=r.compile_s, speedup_vs_per_leaf=vs_leaf, speedup_vs_torch=vs_torch,
               jpack_over_per_leaf=over_leaf, jpack_over_torch=over_torch,
               max_param_diff_vs_per_leaf=r.max_diff)
@@ -192,7 +199,9 @@ def run(opts: Any, report: h.Report) -> None:
     h.release_host_memory()
     report.parts[:] = [*_tables(results), "Times: one update's wall time, dispatch included; "
                        "median of interleaved rounds. speed-up = the other's time / jpack's "
-                       "(median of per-round ratios). max |Δp|: largest parameter difference "
+                       "(median of per-round ratios). one bucket: jpack with one bucket per "
+                       "dtype (`plan(..., bucket_bytes=1 << 62, max_leaves=None, "
+                       "solo_bytes=None)`). max |Δp|: largest parameter difference "
                        "from per-leaf after one update."
                        + (f" Leaves scaled by {opts.scale:g}." if opts.scale != 1 else "")]
     opts.save()  # after every workload: a run stopped by a time limit keeps it

@@ -27,6 +27,8 @@ def load_results(results_dir: pathlib.Path = RESULTS_DIR, names: Iterable[str] =
                  ) -> dict[str, Any]:
   """``{benchmark: JSON document}`` for each ``<name>.json`` present in ``results_dir``."""
   paths = {name: pathlib.Path(results_dir) / f"{name}.json" for name in names}
+  # Results measured on a GPU (benchmarks/gpu_check.sh) sit in gpu/, as "gpu-<name>".
+  paths |= {f"gpu-{name}": pathlib.Path(results_dir) / "gpu" / f"{name}.json" for name in names}
   return {name: json.loads(p.read_text()) for name, p in paths.items() if p.is_file()}
 
 
@@ -95,6 +97,8 @@ def machine_line(doc: Mapping[str, Any]) -> str:
 
 
 def _missing(bench: str) -> str:
+  if bench.startswith("gpu-"):
+    return "*No results yet: run `bash benchmarks/gpu_check.sh` on a GPU.*"
   return f"*No results yet: run `python -m benchmarks {bench}`.*"
 
 
@@ -266,6 +270,10 @@ render_multinode = _one_table("multinode", ("cross-node MiB",), every=True,
 render_fits = _one_table("fits", ("GiB per layer",), every=True, footer=_compiled_on(8))
 render_pack = _one_table("pack", ("workload", "pack/max(a,b)", "unpack/max(a,b)"), titled=False)
 render_optimizer = _one_table("optimizer", ("workload", "per-leaf ms", "jpack ms"))
+render_gpu_step = _one_table("gpu-step", STEP_REQUIRED, STEP_COLUMNS, every=True)
+render_gpu_pack = _one_table("gpu-pack", ("workload", "pack/max(a,b)", "unpack/max(a,b)"),
+                             titled=False)
+render_gpu_optimizer = _one_table("gpu-optimizer", ("workload", "per-leaf ms", "jpack ms"))
 render_checkpoint = _one_table(
     "checkpoint", ("variant", "step ms", "vs no saves"),
     ("variant", "step ms", "vs no saves", "save call ms", "wait at end ms", "checkpoint MiB"),
@@ -326,6 +334,8 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "collectives": render_collectives, "pack": render_pack, "optimizer": render_optimizer,
     "checkpoint": render_checkpoint, "gpu_compile": render_gpu_compile,
     "startup": render_startup, "multinode": render_multinode, "fits": render_fits,
+    "gpu-step": render_gpu_step, "gpu-pack": render_gpu_pack,
+    "gpu-optimizer": render_gpu_optimizer,
 }
 
 

@@ -140,6 +140,9 @@ def test_missing_results_say_how_to_make_them():
 
 def test_committed_json_is_what_the_benchmarks_write():
   for name, doc in RESULTS.items():
-    assert doc["benchmark"] == name and doc["command"].startswith("python -m benchmarks")
+    # gpu-<name>: benchmarks/results/gpu/<name>.json, written on a GPU by gpu_check.sh
+    assert doc["benchmark"] == name.removeprefix("gpu-")
+    assert doc["command"].startswith("python -m benchmarks")
+    assert (doc["machine"]["platform"] == "gpu") == name.startswith("gpu-")
     assert {"cpu", "cores", "jax", "platform", "device_count"} <= set(doc["machine"])
     json.dumps(doc)  # plain JSON, no NaN smuggled in

@@ -9,6 +9,7 @@ static (hashable) argument without retracing. Its text, HTML and JSON forms live
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import operator
@@ -456,7 +457,9 @@ def _finalize(treedef: Any, specs: list[_LeafSpec], placements: list[tuple[int, 
   if specs:  # columns, then one C-level map: thousands of leaves
     paths, shapes, dtypes, sizes, _ = zip(*specs)
     bucket_of, offsets = zip(*placements)
-    slots = tuple(map(Slot, paths, bucket_of, offsets, shapes, dtypes, sizes))
+    # tuple.__new__ builds each Slot without the Python-level NamedTuple.__new__ call.
+    slots = tuple(map(functools.partial(tuple.__new__, Slot),
+                      zip(paths, bucket_of, offsets, shapes, dtypes, sizes)))
   buckets = []
   for fill in fills:
     align = _align_elements(options.align_bytes, fill.storage.itemsize)
@@ -518,7 +521,7 @@ def _shape_dtype(path: str, leaf: Any) -> tuple[tuple[int, ...], Any]:
         _check_canonical(dtype, path, "jax.ShapeDtypeStruct of dtype")
       try:  # numpy-integer dims would break JSON; 2.5 or -1 are not dims
         shape = tuple(map(operator.index, leaf.shape))
-        valid = min(shape, default=0) >= 0
+        valid = not shape or min(shape) >= 0  # min(..., default=0) costs a keyword call
       except TypeError:
         valid = False
       if not valid:

@@ -12,7 +12,8 @@ By default the gathered buckets are not kept for the backward pass: the loss run
 views of them (slices, reshapes, transposes, casts: a weight read through one would be
 saved whole); of the rest it saves what ``remat_policy`` saves, by default the outputs
 of matmuls without batch dimensions (JAX's ``dots_with_no_batch_dims_saveable``), and
-recomputes the others. Saving every other value instead (``everything_saveable``) would
+what the loss computes from the params before its first matmul and reads after it (the
+embeddings' sum), and recomputes the others. Saving every other value instead (``everything_saveable``) would
 keep each elementwise intermediate as a buffer of its own: remat's backward pass reads
 its saved values through one optimization barrier, so XLA can no longer fuse them away
 as it does in plain ``jax.grad``. ``keep_gathered=True`` keeps the gathered buckets
@@ -39,8 +40,10 @@ from jax.extend.core import Literal
 from jpack import _cpu as cpu
 from jpack._collectives import Shards, axis_size, gather_bucket, mean_over, slice_axes, vary
 
-# The names the checkpoint policy leaves out of the saved residuals.
+# The names the checkpoint policy leaves out of the saved residuals, and keeps.
 _GATHERED = "jpack_gathered"
+_PROLOGUE = "jpack_prologue"
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def wide_dtype(dtype: Any) -> np.dtype:
@@ -146,6 +149,7 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
         first.setdefault(bucket_of[v], i)
   order = sorted(first, key=first.get)
   after = _waits(jaxpr.eqns, first, order)
+  handed = set() if keep_gathered else _prologue(jaxpr, bucket_of)
 
   env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars[len(layout.slots):], jax.tree.leaves(args)))
@@ -178,6 +182,8 @@ def _in_order(loss_fn: Callable[..., Any], shards: Shards, carriers: tuple[Any, 
                                  for v in eqn.invars], **params)
     out = out if eqn.primitive.multiple_results else [out]
     env.update(zip(eqn.outvars, out))
+    for v in handed.intersection(eqn.outvars):
+      env[v] = checkpoint_name(env[v], _PROLOGUE)
     for bs in _siblings(after.get(i, ()), shards.buckets, first):
       gather(bs, wait=eqn.outvars[0])
   for v in jaxpr.outvars:  # a leaf returned as it is
@@ -216,6 +222,23 @@ def _waits(eqns: list[Any], first: dict[int, int], order: list[int]
     for v in eqn.outvars:
       depends[v] = bits
   return after
+
+
+def _prologue(jaxpr: Any, bucket_of: dict[Any, int]) -> set[Any]:
+  """The values computed from the params before the first matmul (the embeddings'
+  lookups and sum, a first norm) that the rest of the loss reads. They are saved for the
+  backward pass: recomputed, they would need the tables gathered again where the
+  backward pass starts, with nothing yet to overlap that gather."""
+  eqns = jaxpr.eqns
+  m = next((i for i, e in enumerate(eqns) if e.primitive.name in _MATMULS), len(eqns))
+  from_params = set(bucket_of)
+  for eqn in eqns[:m]:
+    if any(not isinstance(v, Literal) and v in from_params for v in eqn.invars):
+      from_params.update(eqn.outvars)
+  later = {v for e in eqns[m + 1:] for v in e.invars if not isinstance(v, Literal)}
+  later.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+  return {v for e in eqns[:m] for v in e.outvars if v in from_params and v in later
+          and e.primitive.name not in _VIEWS}
 
 
 def _siblings(bs: list[int], buckets: tuple[Any, ...], first: dict[int, int]
@@ -292,8 +315,8 @@ def _saveable(policy: Callable[..., Any] | None, keep_gathered: bool
     return policy
 
   def saveable(prim: Any, *args: Any, **params: Any) -> bool:
-    if prim.name == "name" and params["name"] == _GATHERED:
-      return False
+    if prim.name == "name" and params["name"] in (_GATHERED, _PROLOGUE):
+      return params["name"] == _PROLOGUE
     if prim.name == "custom_vjp_call" and _all_gathers(params["call_jaxpr"].jaxpr):
       return False
     return prim.name not in _VIEWS and policy(prim, *args, **params)

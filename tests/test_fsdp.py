@@ -220,6 +220,38 @@ def test_hand_written_fsdp_step():
   _close(jax.device_get(got), want)
 
 
+def test_fsdp_with_tied_embeddings_and_a_position_table():
+  """What the loss computes from its tables before the first matmul (the token and
+  position embeddings' sum) is saved for the backward pass (the program's gathers:
+  tests/test_gpu_compile.py); the gradient is jax.grad's of the whole batch on one
+  device."""
+  rng = np.random.default_rng(2)
+  params = {"wte": rng.normal(size=(11, 16)).astype(np.float32),
+            "wpe": rng.normal(size=(6, 16)).astype(np.float32) / 2,
+            "w": rng.normal(size=(16, 16)).astype(np.float32) / 4}
+
+  def loss(p, ids):
+    h = p["wte"][ids] + p["wpe"][: ids.shape[1]]
+    h = h + jnp.tanh(h @ p["w"])
+    return -jnp.mean(jax.nn.log_softmax(h @ p["wte"].T)[..., 0])
+
+  ids = rng.integers(0, 11, size=(16, 5)).astype(np.int32)
+  want = jax.grad(loss)(params, ids)
+  mesh = jax.make_mesh((N,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
+  layout = jpack.plan(params, num_shards=N, bucket_bytes=1, align_bytes=4)
+
+  def grads(params, ids):
+    shards = jpack.shard(jpack.pack(params, layout), "batch")
+    g = jax.grad(jpack.fsdp(loss, "batch"))(shards, ids)
+    return jpack.unpack(jpack.all_gather(g, "batch"))
+
+  step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+  split = jax.device_put(ids, jax.sharding.NamedSharding(mesh, P("batch")))
+  _close(jax.device_get(step(replicated, split)), want)
+  # Three gathers forward, two back (w, wte), and one more all-gather: jpack.all_gather.
+
+
 def test_hand_written_fsdp_with_a_bucket_per_matrix():
   """A bucket per matrix and vector; the last three matrices read the same input, so
   their gathers wait for the same earlier reader, not for each other, and, more of them

@@ -9,6 +9,7 @@ step) are compiled the same way, from plain JAX.
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -302,3 +303,18 @@ def test_zero3_keeps_no_gathered_layer_for_the_backward_pass(mesh):
   grown = temp(4) - temp(2)
   assert grown < layer_bytes, (grown, layer_bytes)  # two layers more
 
+
+
+def test_zero3_gathers_the_position_table_only_in_the_forward_pass(mesh):
+  """The embeddings' sum, computed before the first matmul, is saved for the backward
+  pass: recomputing it there would gather the position table again where the backward
+  pass starts, with nothing to overlap (docs/gpu.md). The token table is gathered again,
+  for the tied output's gradient."""
+  positions, width, vocab = 64, 256, 512
+  model = models.gpt2(layers=2, width=width, vocab=vocab, positions=positions, heads=4,
+                      seq=16, abstract=True)
+  hlo = gpu_compile.compile_variant("fsdp", model, mesh, rows=1).hlo
+  # The gathered bucket's length, from each "(slice, bucket) all-gather-start(...)".
+  gathered = re.findall(r"= \(f32\[\d+\]\{0\}, f32\[(\d+)\]\{0\}\) all-gather-start\(", hlo)
+  assert gathered.count(str(positions * width)) == 1, gathered
+  assert gathered.count(str(vocab * width)) == 2, gathered

@@ -230,7 +230,7 @@ def _prologue(jaxpr: Any, bucket_of: dict[Any, int]) -> set[Any]:
   backward pass: recomputed, they would need the tables gathered again where the
   backward pass starts, with nothing yet to overlap that gather."""
   eqns = jaxpr.eqns
-  m = next((i for i, e in enumerate(eqns) if e.primitive.name in _MATMULS), len(eqns))
+  m = next((i for i, e in enumerate(eqns) if _has_matmul(e)), len(eqns))
   from_params = set(bucket_of)
   for eqn in eqns[:m]:
     if any(not isinstance(v, Literal) and v in from_params for v in eqn.invars):
@@ -239,6 +239,19 @@ def _prologue(jaxpr: Any, bucket_of: dict[Any, int]) -> set[Any]:
   later.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
   return {v for e in eqns[:m] for v in e.outvars if v in from_params and v in later
           and e.primitive.name not in _VIEWS}
+
+
+def _has_matmul(eqn: Any) -> bool:
+  """Whether ``eqn`` is a matmul or holds one (a block under the model's checkpoint)."""
+  if eqn.primitive.name in _MATMULS:
+    return True
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+      inner = getattr(inner, "jaxpr", inner)
+      if inner is not None and any(map(_has_matmul, inner.eqns)):
+        return True
+  return False
 
 
 def _siblings(bs: list[int], buckets: tuple[Any, ...], first: dict[int, int]

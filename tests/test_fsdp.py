@@ -220,6 +220,22 @@ def test_hand_written_fsdp_step():
   _close(jax.device_get(got), want)
 
 
+def _hand_written_grads(loss, params, batch):
+  """jax.grad of ``jpack.fsdp(loss)`` on 8 devices, a bucket per leaf, gathered whole."""
+  mesh = jax.make_mesh((N,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
+  layout = jpack.plan(params, num_shards=N, bucket_bytes=1, align_bytes=4)
+  assert len(layout.buckets) == len(jax.tree.leaves(params))
+
+  def grads(params, batch):
+    shards = jpack.shard(jpack.pack(params, layout), "batch")
+    g = jax.grad(jpack.fsdp(loss, "batch"))(shards, batch)
+    return jpack.unpack(jpack.all_gather(g, "batch"))
+
+  step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+  return jax.device_get(step(jax.device_put(params, jax.sharding.NamedSharding(mesh, P())),
+                             jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("batch")))))
+
+
 def test_fsdp_with_tied_embeddings_and_a_position_table():
   """What the loss computes from its tables before the first matmul (the token and
   position embeddings' sum) is saved for the backward pass (the program's gathers:
@@ -236,20 +252,7 @@ def test_fsdp_with_tied_embeddings_and_a_position_table():
     return -jnp.mean(jax.nn.log_softmax(h @ p["wte"].T)[..., 0])
 
   ids = rng.integers(0, 11, size=(16, 5)).astype(np.int32)
-  want = jax.grad(loss)(params, ids)
-  mesh = jax.make_mesh((N,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
-  layout = jpack.plan(params, num_shards=N, bucket_bytes=1, align_bytes=4)
-
-  def grads(params, ids):
-    shards = jpack.shard(jpack.pack(params, layout), "batch")
-    g = jax.grad(jpack.fsdp(loss, "batch"))(shards, ids)
-    return jpack.unpack(jpack.all_gather(g, "batch"))
-
-  step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
-  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
-  split = jax.device_put(ids, jax.sharding.NamedSharding(mesh, P("batch")))
-  _close(jax.device_get(step(replicated, split)), want)
-  # Three gathers forward, two back (w, wte), and one more all-gather: jpack.all_gather.
+  _close(_hand_written_grads(loss, params, ids), jax.grad(loss)(params, ids))
 
 
 def test_hand_written_fsdp_with_a_bucket_per_matrix():
@@ -273,20 +276,11 @@ def test_hand_written_fsdp_with_a_bucket_per_matrix():
                      - jnp.sin(g @ p["w4"]).sum(-1, keepdims=True)) ** 2)
 
   x = rng.normal(size=(32, 12)).astype(np.float32)
-  want = jax.grad(loss)(params, x)
+  _close(_hand_written_grads(loss, params, x), jax.grad(loss)(params, x))
   mesh = jax.make_mesh((N,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
   layout = jpack.plan(params, num_shards=N, bucket_bytes=1, align_bytes=4)
-  assert len(layout.buckets) == len(params)
-
-  def grads(params, x):
-    shards = jpack.shard(jpack.pack(params, layout), "batch")
-    g = jax.grad(jpack.fsdp(loss, "batch"))(shards, x)
-    return jpack.unpack(jpack.all_gather(g, "batch"))
-
-  step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
   replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
   split = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("batch")))
-  _close(jax.device_get(step(replicated, split)), want)
 
   def forward(params, x):
     shards = jpack.shard(jpack.pack(params, layout), "batch")

@@ -12,11 +12,11 @@ By default the gathered buckets are not kept for the backward pass: the loss run
 views of them (slices, reshapes, transposes, casts: a weight read through one would be
 saved whole); of the rest it saves what ``remat_policy`` saves, by default the outputs
 of matmuls without batch dimensions (JAX's ``dots_with_no_batch_dims_saveable``), and
-what the loss computes from the params before its first matmul and reads after it (the
-embeddings' sum), and recomputes the others. Saving every other value instead (``everything_saveable``) would
-keep each elementwise intermediate as a buffer of its own: remat's backward pass reads
-its saved values through one optimization barrier, so XLA can no longer fuse them away
-as it does in plain ``jax.grad``. ``keep_gathered=True`` keeps the gathered buckets
+the rows the loss reads from a table that only its operations before the first matmul
+read (a position table), and recomputes the others. Saving every other value instead
+(``everything_saveable``) would keep each elementwise intermediate as a buffer of its
+own: remat's backward pass reads its saved values through one optimization barrier, so
+XLA can no longer fuse them away as it does in plain ``jax.grad``. ``keep_gathered=True`` keeps the gathered buckets
 instead: one gather per bucket and step, the memory of ZeRO-1/2.
 
 The gradient leaves the gather in a wider dtype than a bf16 bucket. A custom VJP's
@@ -225,20 +225,30 @@ def _waits(eqns: list[Any], first: dict[int, int], order: list[int]
 
 
 def _prologue(jaxpr: Any, bucket_of: dict[Any, int]) -> set[Any]:
-  """The values computed from the params before the first matmul (the embeddings'
-  lookups and sum, a first norm) that the rest of the loss reads. They are saved for the
-  backward pass: recomputed, they would need the tables gathered again where the
-  backward pass starts, with nothing yet to overlap that gather."""
+  """The values that the loss computes, before its first matmul, from one bucket that
+  nothing reads after it (the position table's rows), where they meet values of other
+  buckets (the token embeddings). They are saved for the backward pass: recomputed,
+  they would need that bucket gathered again where the backward pass starts, with
+  nothing yet to overlap that gather."""
   eqns = jaxpr.eqns
   m = next((i for i, e in enumerate(eqns) if _has_matmul(e)), len(eqns))
-  from_params = set(bucket_of)
-  for eqn in eqns[:m]:
-    if any(not isinstance(v, Literal) and v in from_params for v in eqn.invars):
-      from_params.update(eqn.outvars)
-  later = {v for e in eqns[m + 1:] for v in e.invars if not isinstance(v, Literal)}
-  later.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
-  return {v for e in eqns[:m] for v in e.outvars if v in from_params and v in later
-          and e.primitive.name not in _VIEWS}
+  later = {bucket_of[v] for e in eqns[m:] for v in e.invars
+           if not isinstance(v, Literal) and v in bucket_of}
+  later.update(bucket_of[v] for v in jaxpr.outvars
+               if not isinstance(v, Literal) and v in bucket_of)
+  deps = {v: frozenset([b]) for v, b in bucket_of.items()}  # value -> buckets it reads
+  saved = set()
+  for i, eqn in enumerate(eqns):
+    ins = [v for v in eqn.invars if not isinstance(v, Literal) and v in deps]
+    if i >= m:  # read after the first matmul: saved if it reads one early bucket only
+      saved.update(v for v in ins if len(deps[v]) == 1 and not deps[v] & later)
+      continue
+    out = frozenset().union(*(deps[v] for v in ins))
+    saved.update(v for v in ins if len(deps[v]) == 1 and not deps[v] & later
+                 and deps[v] != out)
+    if out:
+      deps.update((v, out) for v in eqn.outvars)
+  return saved - set(bucket_of)  # not a leaf itself: a leaf is saved where it is read
 
 
 def _has_matmul(eqn: Any) -> bool:

@@ -237,10 +237,9 @@ def _hand_written_grads(loss, params, batch):
 
 
 def test_fsdp_with_tied_embeddings_and_a_position_table():
-  """What the loss computes from its tables before the first matmul (the token and
-  position embeddings' sum) is saved for the backward pass (the program's gathers:
-  tests/test_gpu_compile.py); the gradient is jax.grad's of the whole batch on one
-  device."""
+  """The position table's rows, which only the operations before the first matmul read,
+  are saved for the backward pass (the program's gathers: tests/test_gpu_compile.py);
+  the gradient is jax.grad's of the whole batch on one device."""
   rng = np.random.default_rng(2)
   params = {"wte": rng.normal(size=(11, 16)).astype(np.float32),
             "wpe": rng.normal(size=(6, 16)).astype(np.float32) / 2,

@@ -306,10 +306,10 @@ def test_zero3_keeps_no_gathered_layer_for_the_backward_pass(mesh):
 
 
 def test_zero3_gathers_the_position_table_only_in_the_forward_pass(mesh):
-  """The embeddings' sum, computed before the first matmul, is saved for the backward
-  pass: recomputing it there would gather the position table again where the backward
-  pass starts, with nothing to overlap (docs/gpu.md). The token table is gathered again,
-  for the tied output's gradient."""
+  """The position table's rows, which only the operations before the first matmul read,
+  are saved for the backward pass: recomputing the embeddings there would gather the
+  table again where the backward pass starts, with nothing to overlap (docs/gpu.md).
+  The token table is gathered again, for the tied output's gradient."""
   positions, width, vocab = 64, 256, 512
   model = models.gpt2(layers=2, width=width, vocab=vocab, positions=positions, heads=4,
                       seq=16, abstract=True)

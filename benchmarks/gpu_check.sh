@@ -123,7 +123,7 @@ def three_steps(dp):
     state, metrics = dp.step(state, batch)
   return dp.unpack(state)
 ref = three_steps(per_leaf_step(loss, tx, params, mesh))
-for mode in ("allreduce", "packed", "sharded"):
+for mode in ("allreduce", "packed", "sharded", "fsdp"):
   got = three_steps(jpack.data_parallel(loss, tx, params, mesh, mode=mode))
   for k in params:
     tol = 2e-2 if k == "v" else 1e-5

@@ -268,12 +268,14 @@ render_step = _one_table("step", STEP_REQUIRED, STEP_COLUMNS, every=True)
 render_multinode = _one_table("multinode", ("cross-node MiB",), every=True,
                               footer=_compiled_on(64))
 render_fits = _one_table("fits", ("GiB per layer",), every=True, footer=_compiled_on(8))
-render_pack = _one_table("pack", ("workload", "pack/max(a,b)", "unpack/max(a,b)"), titled=False)
-render_optimizer = _one_table("optimizer", ("workload", "per-leaf ms", "jpack ms"))
+PACK_REQUIRED = ("workload", "pack/max(a,b)", "unpack/max(a,b)")
+OPTIMIZER_REQUIRED = ("workload", "per-leaf ms", "jpack ms")
+render_pack = _one_table("pack", PACK_REQUIRED, titled=False)
+render_optimizer = _one_table("optimizer", OPTIMIZER_REQUIRED)
+# The same tables from benchmarks/gpu_check.sh's run on a GPU.
 render_gpu_step = _one_table("gpu-step", STEP_REQUIRED, STEP_COLUMNS, every=True)
-render_gpu_pack = _one_table("gpu-pack", ("workload", "pack/max(a,b)", "unpack/max(a,b)"),
-                             titled=False)
-render_gpu_optimizer = _one_table("gpu-optimizer", ("workload", "per-leaf ms", "jpack ms"))
+render_gpu_pack = _one_table("gpu-pack", PACK_REQUIRED, titled=False)
+render_gpu_optimizer = _one_table("gpu-optimizer", OPTIMIZER_REQUIRED)
 render_checkpoint = _one_table(
     "checkpoint", ("variant", "step ms", "vs no saves"),
     ("variant", "step ms", "vs no saves", "save call ms", "wait at end ms", "checkpoint MiB"),

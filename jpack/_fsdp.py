@@ -16,8 +16,9 @@ the rows the loss reads from a table that only its operations before the first m
 read (a position table), and recomputes the others. Saving every other value instead
 (``everything_saveable``) would keep each elementwise intermediate as a buffer of its
 own: remat's backward pass reads its saved values through one optimization barrier, so
-XLA can no longer fuse them away as it does in plain ``jax.grad``. ``keep_gathered=True`` keeps the gathered buckets
-instead: one gather per bucket and step, the memory of ZeRO-1/2.
+XLA can no longer fuse them away as it does in plain ``jax.grad``. ``keep_gathered=True``
+keeps the gathered buckets instead: one gather per bucket and step, the memory of
+ZeRO-1/2.
 
 The gradient leaves the gather in a wider dtype than a bf16 bucket. A custom VJP's
 cotangent has its primal's dtype, so the gradient is taken with respect to a zero
@@ -28,7 +29,7 @@ returns the reduce-scattered mean there too (for the slices themselves, in their
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -253,15 +254,17 @@ def _prologue(jaxpr: Any, bucket_of: dict[Any, int]) -> set[Any]:
 
 def _has_matmul(eqn: Any) -> bool:
   """Whether ``eqn`` is a matmul or holds one (a block under the model's checkpoint)."""
-  if eqn.primitive.name in _MATMULS:
-    return True
+  return eqn.primitive.name in _MATMULS or any(
+      _has_matmul(e) for inner in _inner_jaxprs(eqn) for e in inner.eqns)
+
+
+def _inner_jaxprs(eqn: Any) -> Iterator[Any]:
+  """The jaxprs ``eqn`` holds (a ``jax.jit``'s, ``jax.checkpoint``'s, custom VJP's...)."""
   for value in eqn.params.values():
     for sub in value if isinstance(value, (tuple, list)) else (value,):
       inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-      inner = getattr(inner, "jaxpr", inner)
-      if inner is not None and any(map(_has_matmul, inner.eqns)):
-        return True
-  return False
+      if inner is not None:
+        yield getattr(inner, "jaxpr", inner)
 
 
 def _siblings(bs: list[int], buckets: tuple[Any, ...], first: dict[int, int]
@@ -350,13 +353,9 @@ def _saveable(policy: Callable[..., Any] | None, keep_gathered: bool
 def _all_gathers(jaxpr: Any) -> bool:
   """Whether ``jaxpr`` (or one inside it) all-gathers: `_gather`'s custom VJP call."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name.startswith("all_gather"):
+    if eqn.primitive.name.startswith("all_gather") or any(map(_all_gathers,
+                                                              _inner_jaxprs(eqn))):
       return True
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None and _all_gathers(getattr(inner, "jaxpr", inner)):
-          return True
   return False
 
 

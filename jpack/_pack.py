@@ -245,6 +245,10 @@ def unpack_shared(packed: Packed) -> Any:
 _unpack_compiled = jax.jit(functools.partial(_unpack_traced, share_kernels=False))
 
 
+# Compiler options this jaxlib refused ("No such compile option"): not tried again.
+_UNKNOWN_OPTIONS: set[tuple[tuple[str, Any], ...]] = set()
+
+
 @functools.cache
 def _unpack_compiled_with(options: tuple[tuple[str, Any], ...]) -> Any:
   return jax.jit(functools.partial(_unpack_traced, share_kernels=False),
@@ -263,9 +267,6 @@ def _unpack_compiled_for_cpu(packed: Packed) -> Any:
         raise
       _UNKNOWN_OPTIONS.add(options)
   return _unpack_compiled(packed)
-
-
-_UNKNOWN_OPTIONS: set[tuple[tuple[str, Any], ...]] = set()
 
 
 def _check_same_devices(leaves: list[Any], layout: Layout) -> None:

@@ -218,7 +218,7 @@ def run_workload(name: str, variants: list[str], report: h.Report,
               f"{r.arg_bytes / 2**20:,.0f}", share, f"{r.lower_s + r.compile_s:.1f}",
               workload=name, key=key, kernels=p.kernels, hbm_bytes=p.hbm_bytes,
               copy_kernels=p.copy_kernels, copy_bytes=p.copy_bytes,
-              collectives=[dataclasses.asdict(x) for x in p.collectives],
+              collectives=[dataclasses.astuple(x) for x in p.collectives],  # CollectiveOp's fields
               overlapped=p.overlapped, temp_bytes=r.temp_bytes, arg_bytes=r.arg_bytes,
               kernels_removed=kr, hbm_removed=hr, lower_s=r.lower_s, compile_s=r.compile_s,
               grad_bytes=grad_bytes)
@@ -268,7 +268,7 @@ def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> h.Tab
 def _result(v: dict[str, Any]) -> Result:
   """A `Result` back from a row's JSON values (no program text)."""
   program = Program(v["kernels"], v["hbm_bytes"], v["copy_kernels"], v["copy_bytes"],
-                    tuple(CollectiveOp(**x) for x in v["collectives"]))
+                    tuple(CollectiveOp(*x) for x in v["collectives"]))
   return Result(v["key"], program, v["temp_bytes"], v["arg_bytes"], v["lower_s"],
                 v["compile_s"])
 

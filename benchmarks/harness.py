@@ -252,14 +252,15 @@ class Report:
   def json(self) -> dict[str, Any]:
     return {"benchmark": self.name, "title": self.title, "command": self.command,
             "started": self.started, "machine": machine_info(),
-            "tables": [p.json() for p in self.parts if isinstance(p, Table)],
+            "tables": [{**t, "rows": [{**r, "command": self.command} for r in t["rows"]]}
+                       for t in (p.json() for p in self.parts if isinstance(p, Table))],
             "notes": [p for p in self.parts if not isinstance(p, Table)]}
 
   def write(self, doc: dict[str, Any], json_path: str, markdown_path: str | None) -> None:
     """Write ``doc`` (`json`, maybe merged) and, if asked, the Markdown (folders exist)."""
     if markdown_path:
       pathlib.Path(markdown_path).write_text(self.markdown())
-    pathlib.Path(json_path).write_text(json.dumps(finite(doc), indent=1) + "\n")
+    pathlib.Path(json_path).write_text(dumps(finite(doc)) + "\n")
     print(f"\nWrote {json_path}", flush=True)
 
 
@@ -282,8 +283,24 @@ def merged(earlier: dict[str, Any], now: dict[str, Any], name: str, row_order: l
   tables += fresh.values()
   by_name = {n: i for i, n in enumerate(table_order)}
   tables.sort(key=lambda t: by_name.get(table_name(t), len(by_name)))  # stable
-  commands = earlier.get("commands", [earlier["command"]])
-  return {**now, "tables": tables, "commands": [*commands, now["command"]]}
+  # The commands listed are those whose rows are still there (a row without one predates
+  # rows recording their command and keeps every earlier command listed).
+  ran = {r.get("command") for t in tables for r in t["rows"]} | {now["command"]}
+  commands = [c for c in dict.fromkeys([*earlier.get("commands", [earlier["command"]]),
+                                        now["command"]]) if c in ran or None in ran]
+  return {**now, "tables": tables, "commands": commands}
+
+
+def dumps(doc: Any, depth: int = 0) -> str:
+  """``doc`` as JSON, indented down to the tables' rows and one line per row from there,
+  so that a results file reads (and diffs) row by row."""
+  pad = "\n" + " " * (depth + 1)
+  if depth >= 4 or not isinstance(doc, (dict, list)) or not doc:
+    return json.dumps(doc)
+  if isinstance(doc, dict):
+    items = [f"{json.dumps(k)}: {dumps(v, depth + 1)}" for k, v in doc.items()]
+    return "{" + pad + ("," + pad).join(items) + "\n" + " " * depth + "}"
+  return "[" + pad + ("," + pad).join(dumps(v, depth + 1) for v in doc) + "\n" + " " * depth + "]"
 
 
 def finite(x: Any) -> Any:

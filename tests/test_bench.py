@@ -335,3 +335,20 @@ def test_results_json_has_no_nan_and_plain_numbers():
   table.add("1", x=np.float32(0.5), y=float("nan"), z=[np.int64(3), float("inf")])
   assert h.finite(table.json())["rows"][0]["values"] == {"x": 0.5, "y": None,
                                                           "z": [3, None]}
+
+
+def test_results_json_reads_row_by_row():
+  import json
+
+  from benchmarks import harness as h
+  report = h.Report("demo", "Demo", ["demo", "--quick"])
+  table = h.Table(["a", "b"])
+  table.add("1", "2", key="x", nested={"deep": [1, {"k": None}]})
+  table.add("3", "4", key="y", nested={})
+  report.parts.append(table)
+  doc = report.json()
+  text = h.dumps(doc)
+  assert json.loads(text) == doc
+  rows = [line for line in text.splitlines() if '"cells"' in line]
+  assert [json.loads(line.strip().rstrip(","))["values"]["key"] for line in rows] == ["x", "y"]
+  assert all(r["command"] == "python -m benchmarks demo --quick" for r in doc["tables"][0]["rows"])

@@ -236,11 +236,12 @@ def test_full_size_models_have_exactly_the_workload_tables_leaves(name):
 def test_update_keeps_what_is_not_compiled_again():
   # --update: a slow workload, or one variant, compiled on its own joins the earlier
   # results in benchmarks/results/gpu_compile.json: tables in the workloads' order, rows
-  # in the variants' order, both commands listed.
+  # in the variants' order, and the commands listed that made the rows still there.
   def doc(command, workloads, keys):
     def table(n, kind):
       return {"title": f"{n} {command}", "columns": [kind], "rows": [
-          {"cells": {}, "values": {"workload": n, "key": k, "run": command}} for k in keys]}
+          {"cells": {}, "values": {"workload": n, "key": k, "run": command}, "command": command}
+          for k in keys]}
     return {"command": command,
             "tables": [table(n, kind) for n in workloads for kind in ("variants", "goals")]}
 
@@ -257,14 +258,15 @@ def test_update_keeps_what_is_not_compiled_again():
   assert rows == [("floor", "one"), ("hand_pmean", "one"), ("packed", "all")]
   assert got["commands"] == ["all", "one"]
   assert merged(got, doc("two", [], []))["commands"] == ["all", "one", "two"]
+  again = doc("three", ["many_small_4000", "resnet50"], ["hand_pmean", "floor"])
+  assert merged(got, again)["commands"] == ["all", "three"]  # every row of "one" made again
 
 
 def test_shares_and_goals_are_computed_from_the_merged_rows():
   # A packed row compiled in one run, the floor and per-leaf rows in another: after the
   # merge the packed row's shares and goals compare with those, by hand here.
   def row(key, kernels, hbm, copy, temp, overlapped=True):
-    colls = [] if key == "floor" else [
-        {"op": "all-reduce", "dtype": "f32", "bytes": 5000, "overlapped": overlapped}]
+    colls = [] if key == "floor" else [["all-reduce", "f32", 5000, overlapped, False]]
     return {"cells": {"variant": key, "removed: kernels / HBM": "?"}, "values": {
         "workload": "w", "key": key, "kernels": kernels, "hbm_bytes": hbm,
         "copy_kernels": 1, "copy_bytes": copy, "collectives": colls, "temp_bytes": temp,

@@ -268,7 +268,8 @@ def goals_table(name: str, results: dict[str, Result], grad_bytes: int) -> h.Tab
 def _result(v: dict[str, Any]) -> Result:
   """A `Result` back from a row's JSON values (no program text)."""
   program = Program(v["kernels"], v["hbm_bytes"], v["copy_kernels"], v["copy_bytes"],
-                    tuple(CollectiveOp(*x) for x in v["collectives"]))
+                    tuple(CollectiveOp(**x) if isinstance(x, dict) else CollectiveOp(*x)
+                          for x in v["collectives"]))  # dicts: files written before
   return Result(v["key"], program, v["temp_bytes"], v["arg_bytes"], v["lower_s"],
                 v["compile_s"])
 

@@ -110,7 +110,8 @@ def data_parallel(loss_fn: Callable[..., Any], optimizer: optax.GradientTransfor
   ``batch_stats``): ``loss_fn`` is then called as ``loss_fn(params, model_state,
   batch)`` and returns ``(loss, new_model_state)``. Modes (docs/zero.md):
   ``"packed"`` keeps the params in buckets; ``"allreduce"`` keeps them a tree;
-  ``"sharded"`` (ZeRO-1) splits the optimizer state 1/N over the devices.
+  ``"sharded"`` (ZeRO-1) splits the optimizer state 1/N over the devices;
+  ``"fsdp"`` (ZeRO-3) splits the params too, each bucket gathered where the loss reads it.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` on one device's slice of the batch.

@@ -99,7 +99,7 @@ def train(mode, loss_fn=loss_fn, steps=5):
     return dp.unpack(state)              # (params, model_state)
 
 packed = train("packed")                 # the same batches for every mode
-for mode in ("allreduce", "sharded"):
+for mode in ("allreduce", "sharded", "fsdp"):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  train(mode), packed)
 # --8<-- [end:modes]

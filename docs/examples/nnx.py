@@ -66,7 +66,7 @@ def train(mode, steps=5):
     return dp.unpack(state)            # an nnx.State like `params`
 
 packed = train("packed")
-for mode in ("allreduce", "sharded"):
+for mode in ("allreduce", "sharded", "fsdp"):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  train(mode), packed)
 # --8<-- [end:modes]

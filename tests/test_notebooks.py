@@ -254,6 +254,13 @@ except TypeError:
   pass
 else:
   raise AssertionError("expected a TypeError")
+
+# 7: mode="fsdp" trains as the per-leaf step does; device 0 holds 1/N of the params'
+# buckets (and their alignment padding).
+assert _max_abs_diff(dp_fsdp.unpack(state_fsdp), params_ref) < _SAME
+_param_bytes = sum(_np.asarray(x).nbytes for x in jax.tree.leaves(params))
+assert full == _param_bytes
+assert _param_bytes / _n <= resident <= _param_bytes / _n * 1.1 + 1024, (resident, _n)
 """],
     "benchmarks": [_COMMON, """
 # 1: every variant computes the mean over devices (numpy, float64).

@@ -20,15 +20,15 @@ from typing import Any, Sequence
 from jpack import _reference
 from jpack._reference import human_bytes
 
-DEMO_MODES = ("per_leaf", "jit", "allreduce", "sharded")  # the default comparison
-ALL_MODES = ("per_leaf", "jit", "allreduce", "packed", "sharded")
+DEMO_MODES = ("per_leaf", "jit", "allreduce", "sharded", "fsdp")  # the default comparison
+ALL_MODES = ("per_leaf", "jit", "allreduce", "packed", "sharded", "fsdp")
 COMM_DTYPES = ("none", "float32", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
-# The modes that keep the params in param_dtype with float32 masters in the optimizer
-# state (data_parallel's precision=jpack.Precision(param_dtype=)); the others keep float32
-# params and cast them for the loss, the same forward and backward with no separate
-# masters.
-MASTER_MODES = ("packed", "sharded")
+# The modes that keep float32 masters in the optimizer state and give the loss the
+# params in param_dtype (data_parallel's precision=jpack.Precision(param_dtype=)); the
+# others keep float32 params and cast them for the loss, the same forward and backward
+# with no separate masters. "fsdp" keeps the masters only and gathers them rounded.
+MASTER_MODES = ("packed", "sharded", "fsdp")
 # The usual steps without jpack: a shard_map step with a pmean per leaf (`per_leaf_step`,
 # the baseline) and plain jax.jit on sharded arrays (`jit_step`). Every other mode is
 # jpack.data_parallel's.
@@ -181,6 +181,8 @@ def params_kept_as(mode: str, param_dtype: Any = None) -> str:
   if param_dtype is None:
     return "float32"
   name = np.dtype(param_dtype).name
+  if mode == "fsdp":
+    return f"f32 master, {name} gathered"
   return f"{name} + f32 master" if mode in MASTER_MODES else f"float32, {name} in loss"
 
 
@@ -189,9 +191,10 @@ def build_step(mode: str, loss_fn, optimizer, params: dict, mesh, comm_dtype: An
   """Mode ``mode``'s `jpack.DataParallel`: a plain step, or jpack.data_parallel's.
 
   ``comm_dtype``: the wire dtype of jpack's gradient collectives (the plain steps
-  ignore it). ``param_dtype``: the packed and sharded modes keep the params in it, with
-  float32 masters (``data_parallel(precision=jpack.Precision(param_dtype=))``); the
-  others keep float32 params and cast them for the loss. ``accumulate``: micro-batches
+  ignore it). ``param_dtype``: the packed, sharded and fsdp modes give the loss the
+  params in it, from float32 masters
+  (``data_parallel(precision=jpack.Precision(param_dtype=))``); the others keep float32
+  params and cast them for the loss. ``accumulate``: micro-batches
   per step, ``data_parallel``'s or ``optax.MultiSteps`` in the plain steps. The buckets
   are jpack's choice for the mesh's platform (`jpack.step_options`).
   """
@@ -247,7 +250,7 @@ def opt_state_bytes_per_device(opt_state, mode: str, n: int) -> int:
 
   import jpack
 
-  if mode == "sharded":
+  if mode in ("sharded", "fsdp"):
     return jpack.optax.state_bytes_per_device(opt_state, n)
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
              for x in jax.tree.leaves(opt_state))
@@ -265,7 +268,7 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   """Train the digits MLP in each mode and print the comparison; returns the results.
 
   ``param_dtype`` "bfloat16": the packed and sharded modes keep bf16 params with float32
-  masters in the optimizer state; the other modes keep float32 params and cast them for
+  masters in the optimizer state, fsdp the masters only; the other modes keep float32 params and cast them for
   the loss. ``accumulate``: micro-batches per step (``optax.MultiSteps`` in per_leaf and
   jit).
   """
@@ -451,7 +454,8 @@ def format_table(results: Sequence[ModeResult]) -> str:
            "several collectives into one op on a tuple); those in a micro-batch loop count "
            "once.\n"
            "params: kept in bfloat16 with float32 masters in the optimizer state "
-           "(jpack packed and sharded), or float32, cast for the loss (the other modes).\n"
+           "(jpack packed and sharded), float32 masters only, gathered in bfloat16 (fsdp), or "
+           "float32, cast for the loss (the other modes).\n"
            "accumulate: micro-batches per step, one update of the whole batch; "
            "MultiSteps (optax) reduces every micro-batch's gradients, jpack once per step.\n"
            "params+opt/device: bytes of params + optimizer state (masters and moments) on "

@@ -62,8 +62,12 @@ def test_demo_quick_runs_all_modes(tmp_path):
   assert results["allreduce"]["collective_arrays"] < 10
   for r in results.values():
     assert sum(r["collectives"].values()) >= 1
-  # ZeRO-1 keeps 1/4 of the optimizer's moments per device.
+  # ZeRO-1 keeps 1/4 of the optimizer's moments per device, ZeRO-3 of the params too.
   assert results["sharded"]["opt_state_bytes"] < results["allreduce"]["opt_state_bytes"] / 3
+  assert results["fsdp"]["opt_state_bytes"] == results["sharded"]["opt_state_bytes"]
+  # On 4 devices with adamw: ZeRO-3 keeps 12 bytes a param / 4, ZeRO-1 4 + 8 / 4.
+  assert results["fsdp"]["state_bytes"] == pytest.approx(
+      results["sharded"]["state_bytes"] / 2, rel=0.01)
   # Plain jit takes the mean over the global batch: per_leaf's losses, step by step, with
   # every gradient leaf all-reduced by the collectives XLA inserts.
   jit, per_leaf = results["jit"], results["per_leaf"]
@@ -76,7 +80,7 @@ def test_demo_quick_runs_all_modes(tmp_path):
 @pytest.mark.timeout(320)
 def test_demo_bf16_params_and_accumulation_flags(tmp_path):
   out = tmp_path / "demo-out"
-  modes = ("per_leaf", "packed", "sharded")  # jit computes what per_leaf does (tested above)
+  modes = ("per_leaf", "packed", "sharded", "fsdp")  # jit computes what per_leaf does
   # Width 128: leaves of whole 256-byte blocks in bf16, so the buckets barely pad.
   proc = _run("demo", "--devices", "4", "--steps", "8", "--width", "128", "--depth", "4",
               "--modes", ",".join(modes), "--param-dtype", "bfloat16", "--accumulate", "2",
@@ -94,10 +98,11 @@ def test_demo_bf16_params_and_accumulation_flags(tmp_path):
   r = {x["mode"]: x for x in doc["results"]}
   assert set(r) == set(modes) and all(x["accumulate"] == 2 for x in r.values())
   assert r["sharded"]["params_as"] == "bfloat16 + f32 master"
+  assert r["fsdp"]["params_as"] == "f32 master, bfloat16 gathered"
   assert r["per_leaf"]["params_as"] == "float32, bfloat16 in loss"
   # The same forward and backward (bf16 params or f32 ones cast for the loss) and the
   # same mean gradient (MultiSteps or jpack's accumulation): nearly the same losses.
-  for mode in ("packed", "sharded"):
+  for mode in ("packed", "sharded", "fsdp"):
     diff = max(abs(a - b) for a, b in zip(r[mode]["losses"], r["per_leaf"]["losses"]))
     assert diff < 0.02, (mode, diff)
   import jax
@@ -109,9 +114,11 @@ def test_demo_bf16_params_and_accumulation_flags(tmp_path):
   assert r["per_leaf"]["grad_bytes"] == 2 * 4 * psi
   assert r["packed"]["grad_bytes"] == pytest.approx(4 * psi, rel=0.02)
   # Params + state per device: bf16 params next to f32 masters and moments, which
-  # ZeRO-1 splits 4 ways; per_leaf keeps f32 params, its moments and MultiSteps' sum.
+  # ZeRO-1 splits 4 ways (ZeRO-3 keeps the split masters only); per_leaf keeps f32
+  # params, its moments and MultiSteps' sum.
   assert r["packed"]["state_bytes"] == pytest.approx(14 * psi, rel=0.02)
   assert r["sharded"]["state_bytes"] == pytest.approx(2 * psi + 12 * psi / 4, rel=0.02)
+  assert r["fsdp"]["state_bytes"] == pytest.approx(12 * psi / 4, rel=0.02)  # no bf16 copy
   assert r["per_leaf"]["state_bytes"] == pytest.approx(16 * psi, rel=0.02)
   for x in r.values():
     assert x["test_accuracy"] > 0.5, (x["mode"], x["test_accuracy"])  # chance: 0.1

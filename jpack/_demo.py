@@ -235,25 +235,12 @@ def grad_bytes_per_step(layout, mode: str, comm_dtype, accumulate: int = 1) -> i
   return total
 
 
-def state_bytes_per_device(state) -> int:
-  """Bytes of params + optimizer state (masters and moments) that one device holds,
-  from the arrays' shardings: replicated leaves whole, ZeRO-1 slices 1/N."""
+def state_bytes_per_device(tree) -> int:
+  """Bytes of ``tree``'s arrays that one device holds, from their shardings: replicated
+  leaves whole, ZeRO slices 1/N (of a state: params + masters and moments)."""
   import jax
 
-  return sum(x.addressable_shards[0].data.nbytes
-             for x in jax.tree.leaves((state.params, state.opt_state)))
-
-
-def opt_state_bytes_per_device(opt_state, mode: str, n: int) -> int:
-  import jax
-  import jax.numpy as jnp
-
-  import jpack
-
-  if mode in ("sharded", "fsdp"):
-    return jpack.optax.state_bytes_per_device(opt_state, n)
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(opt_state))
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
 # -- the demo --------------------------------------------------------------------------
@@ -268,9 +255,9 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
   """Train the digits MLP in each mode and print the comparison; returns the results.
 
   ``param_dtype`` "bfloat16": the packed and sharded modes keep bf16 params with float32
-  masters in the optimizer state, fsdp the masters only; the other modes keep float32 params and cast them for
-  the loss. ``accumulate``: micro-batches per step (``optax.MultiSteps`` in per_leaf and
-  jit).
+  masters in the optimizer state, fsdp the masters only; the other modes keep float32
+  params and cast them for the loss. ``accumulate``: micro-batches per step
+  (``optax.MultiSteps`` in per_leaf and jit).
   """
   stream = sys.stdout if stream is None else stream
 
@@ -329,9 +316,10 @@ def run(*, devices: int = 8, steps: int = 200, batch_size: int = 256,
         collectives=colls.count, collective_arrays=colls.arrays,
         grad_bytes=grad_bytes_per_step(_reduced_layout(dp.layout, mode, narrow, params0),
                                        mode, wire, accumulate),
-        opt_state_bytes=opt_state_bytes_per_device(state.opt_state, mode, devices),
+        opt_state_bytes=state_bytes_per_device(state.opt_state),
         test_accuracy=acc, params_as=params_kept_as(mode, narrow),
-        accumulate=accumulate, state_bytes=state_bytes_per_device(state)))
+        accumulate=accumulate,
+        state_bytes=state_bytes_per_device((state.params, state.opt_state))))
 
   say("")
   say(format_table(results))

@@ -9,6 +9,7 @@ checks that the resumed run ends bit-identical to an uninterrupted one.
 # --8<-- [start:setup]
 import argparse
 import pathlib
+import sys
 import time
 
 import jax
@@ -24,7 +25,7 @@ import jpack
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train the digits MLP, saving every n steps.")
-    p.add_argument("--mode", default="packed", choices=["packed", "sharded", "allreduce"])
+    p.add_argument("--mode", default="packed", choices=["packed", "sharded", "fsdp", "allreduce"])
     p.add_argument("--steps", type=int, default=60, help="train until this step")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--keep", type=int, default=3, help="keep the last KEEP checkpoints")
@@ -144,7 +145,9 @@ def hold_save(directory, step):
     stays in flight until the process is killed."""
     def hold():
         if any(directory.glob(f"{step}.orbax-checkpoint-tmp*")):
-            print(f"save of step {step} in flight", flush=True)
+            # One write, as this thread's line can land inside the training loop's.
+            sys.stdout.write(f"save of step {step} in flight\n")
+            sys.stdout.flush()
             time.sleep(3600)
     return ocp.AsyncOptions(post_finalization_callback=hold)
 
